@@ -1,0 +1,96 @@
+"""The plan: the allocator's output and the contract read by the simulator, runtime, deployers and report."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from coral.catalog.loader import load_file
+
+PLAN_SCHEMA_VERSION = 1
+
+
+class _PlanModel(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class PlanStage(_PlanModel):
+    first_layer: int = Field(ge=0)
+    layers: int = Field(gt=0)
+    nodes: list[str] = Field(min_length=1, description="node config per data-parallel node of the stage")
+    node_throughput: list[float] = Field(description="tokens/s each node sustains under the SLO (router weights)")
+
+
+class PlanInstance(_PlanModel):
+    """One serving instance: a template instantiated once in one region."""
+
+    id: str = Field(description="stable id, e.g. 'qwen3-32b.prefill.t412.aws-us-east-2.0'")
+    model: str
+    phase: Literal["prefill", "decode"]
+    template_id: int
+    region: str
+    counts: dict[str, int] = Field(description="nodes per config")
+    stages: list[PlanStage]
+    throughput: float = Field(gt=0, description="tokens/s under the SLO")
+    cost_per_hour: float = Field(ge=0)
+
+    @property
+    def n_nodes(self) -> int:
+        return sum(self.counts.values())
+
+    @property
+    def heterogeneous(self) -> bool:
+        return len(self.counts) > 1
+
+
+class ModelServing(_PlanModel):
+    """Demand against planned capacity for one (model, phase)."""
+
+    model: str
+    phase: Literal["prefill", "decode"]
+    demand: float = Field(ge=0, description="tokens/s asked for")
+    capacity: float = Field(ge=0, description="tokens/s planned")
+    served_fraction: float = Field(ge=0, le=1, description="min(1, capacity/demand)")
+    cost_per_hour: float = Field(ge=0)
+
+
+class SolveReport(_PlanModel):
+    status: str
+    objective: float | None = None
+    bound: float | None = None
+    gap: float | None = None
+    time_s: float = 0.0
+    n_variables: int = 0
+    n_constraints: int = 0
+    notes: list[str] = Field(default_factory=list)
+
+
+class Plan(_PlanModel):
+    schema_version: Literal[1] = 1
+    scenario: str
+    method: str = Field(description="coral | homo | cauchy | ...")
+    mode: Literal["cost", "goodput", "scaled"] = "cost"
+    demand_scale: float = Field(default=1.0, gt=0, description="uniform demand scale the plan was solved at")
+    instances: list[PlanInstance]
+    serving: list[ModelServing]
+    cost_per_hour: float = Field(ge=0, description="provisioning $/h")
+    penalty_per_hour: float = Field(default=0.0, ge=0, description="amortised scale-up penalty $/h")
+    solve: SolveReport
+    created_at: str = ""
+
+    def instances_of(self, model: str, phase: str) -> list[PlanInstance]:
+        return [i for i in self.instances if i.model == model and i.phase == phase]
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        tmp.write_text(self.model_dump_json(indent=2))
+        tmp.replace(path)
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> Plan:
+        return load_file(cls, path)

@@ -1,0 +1,196 @@
+"""Versioned pydantic schemas for every input file Coral reads (GPUs, offerings, models, scenarios)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+SCHEMA_VERSION = 1
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class GpuSpec(_Strict):
+    """One GPU type, per-GPU figures."""
+
+    name: str = Field(min_length=1)
+    memory_gb: float = Field(gt=0, description="HBM/GDDR capacity in GB (1e9 bytes)")
+    fp16_tflops: float = Field(gt=0, description="dense FP16 tensor-core TFLOP/s")
+    bf16_tflops: float | None = Field(default=None, gt=0, description="dense BF16 TFLOP/s; None = no BF16")
+    mem_bw_gbs: float = Field(gt=0, description="memory bandwidth, GB/s")
+    interconnect: Literal["nvlink", "pcie"]
+    intra_node_bw_gbs: float = Field(gt=0, description="per-GPU, per-direction GPU-to-GPU bandwidth, GB/s")
+    source: str
+
+    @property
+    def tflops(self) -> float:
+        """Dense half-precision throughput used for serving (BF16 where supported, else FP16)."""
+        return self.bf16_tflops if self.bf16_tflops is not None else self.fp16_tflops
+
+
+class GpuCatalog(_Strict):
+    schema_version: Literal[1] = 1
+    source_date: str
+    gpus: list[GpuSpec]
+
+    @field_validator("gpus")
+    @classmethod
+    def _unique(cls, gpus: list[GpuSpec]) -> list[GpuSpec]:
+        names = [g.name for g in gpus]
+        dup = {n for n in names if names.count(n) > 1}
+        if dup:
+            raise ValueError(f"duplicate GPU names: {sorted(dup)}")
+        return gpus
+
+
+class NodeOffering(_Strict):
+    """A rentable instance shape in one cloud region with its on-demand price."""
+
+    cloud: Literal["aws", "gcp", "azure", "other"]
+    region: str
+    instance_type: str
+    gpu: str
+    gpus_per_node: Literal[1, 2, 4, 8]
+    price_per_hour: float = Field(gt=0, description="$/node-hour, on demand, host included")
+    vcpus: int = Field(gt=0)
+    host_memory_gb: float = Field(gt=0)
+    nic_gbps: float = Field(gt=0, description="node network bandwidth, Gbit/s")
+    price_date: str
+    source: str
+
+    @property
+    def config(self) -> str:
+        return config_name(self.gpu, self.gpus_per_node)
+
+
+class OfferingCatalog(_Strict):
+    schema_version: Literal[1] = 1
+    offerings: list[NodeOffering]
+
+
+class ModelArch(_Strict):
+    """Transformer architecture, with field names following Hugging Face ``config.json``."""
+
+    name: str = Field(min_length=1)
+    hf_id: str = ""
+    num_hidden_layers: int = Field(gt=0)
+    hidden_size: int = Field(gt=0)
+    num_attention_heads: int = Field(gt=0)
+    num_key_value_heads: int = Field(gt=0)
+    head_dim: int | None = Field(default=None, gt=0)
+    intermediate_size: int = Field(gt=0, description="dense MLP width (unused for pure-MoE layers)")
+    vocab_size: int = Field(gt=0)
+    tie_word_embeddings: bool = False
+    num_experts: int = Field(default=0, ge=0)
+    num_experts_per_tok: int = Field(default=0, ge=0)
+    moe_intermediate_size: int | None = Field(default=None, gt=0)
+    sliding_window: int | None = Field(default=None, gt=0)
+    layer_types: list[Literal["full_attention", "sliding_attention"]] | None = None
+    dtype: Literal["bfloat16", "float16"] = "bfloat16"
+    expert_weight_bits: float = Field(default=16.0, gt=0, le=32, description="e.g. 4.25 for MXFP4 experts")
+    source: str = ""
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ModelArch:
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+        if self.num_experts and not (0 < self.num_experts_per_tok <= self.num_experts):
+            raise ValueError("num_experts_per_tok must be in 1..num_experts for a MoE model")
+        if self.num_experts and self.moe_intermediate_size is None:
+            raise ValueError("moe_intermediate_size is required for a MoE model")
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.num_hidden_layers:
+                raise ValueError("layer_types must have num_hidden_layers entries")
+            if "sliding_attention" in self.layer_types and self.sliding_window is None:
+                raise ValueError("sliding_window is required when layer_types has sliding_attention")
+        return self
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def hybrid_attention(self) -> bool:
+        return self.layer_types is not None and "sliding_attention" in self.layer_types
+
+
+class ModelCatalog(_Strict):
+    schema_version: Literal[1] = 1
+    models: list[ModelArch]
+
+
+class ScenarioModel(_Strict):
+    """A model served in a scenario, with its SLOs and workload."""
+
+    model: str
+    prefill_slo_ms: float = Field(gt=0, description="time-to-first-token SLO")
+    decode_slo_ms: float = Field(gt=0, description="time-per-output-token SLO")
+    request_rate: float = Field(ge=0, description="mean requests/s")
+    mean_input_tokens: float = Field(gt=0)
+    mean_output_tokens: float = Field(gt=0)
+    trace: str = Field(default="synthetic", description="trace name used by the simulator")
+    priority: float = Field(default=1.0, gt=0)
+
+
+class AvailabilityHeadroom(_Strict):
+    """Availability derived from demand: enough nodes of every offered config for `factor` x the demand."""
+
+    mode: Literal["headroom"] = "headroom"
+    factor: float = Field(gt=0)
+
+
+class Scenario(_Strict):
+    schema_version: Literal[1] = 1
+    name: str
+    description: str = ""
+    regions: list[str] = Field(min_length=1)
+    configs: list[str] = Field(min_length=1, description="node configs, e.g. '2xL40S'")
+    models: list[ScenarioModel] = Field(min_length=1)
+    availability: dict[str, dict[str, int]] | AvailabilityHeadroom = Field(
+        description="explicit node counts per region and config, or a headroom rule"
+    )
+    n_max: int = Field(default=6, ge=1, le=8)
+    rho: float = Field(default=12.0, gt=1)
+    init_penalty_k: float = Field(default=0.1, ge=0, description="node init time / adjustment interval")
+    epoch_minutes: float = Field(default=6.0, gt=0)
+    epochs: int = Field(default=5, ge=1)
+
+    @field_validator("configs")
+    @classmethod
+    def _config_names(cls, configs: list[str]) -> list[str]:
+        for c in configs:
+            parse_config_name(c)
+        if len(set(configs)) != len(configs):
+            raise ValueError("configs must be unique")
+        return configs
+
+    @model_validator(mode="after")
+    def _availability_keys(self) -> Scenario:
+        if isinstance(self.availability, dict):
+            for region, counts in self.availability.items():
+                if region not in self.regions:
+                    raise ValueError(f"availability: region {region!r} is not in regions")
+                for cfg, n in counts.items():
+                    if cfg not in self.configs:
+                        raise ValueError(f"availability.{region}: config {cfg!r} is not in configs")
+                    if n < 0:
+                        raise ValueError(f"availability.{region}.{cfg}: count must be >= 0")
+        names = [m.model for m in self.models]
+        if len(set(names)) != len(names):
+            raise ValueError("models: each model may appear once")
+        return self
+
+
+def config_name(gpu: str, count: int) -> str:
+    return f"{count}x{gpu}"
+
+
+def parse_config_name(name: str) -> tuple[str, int]:
+    """'4xL40S' -> ('L40S', 4)."""
+    head, sep, gpu = name.partition("x")
+    if not sep or not head.isdigit() or not gpu or int(head) not in (1, 2, 4, 8):
+        raise ValueError(f"config {name!r} must look like '<1|2|4|8>x<GPU>', e.g. '2xL40S'")
+    return gpu, int(head)

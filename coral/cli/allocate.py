@@ -1,0 +1,9 @@
+"""CLI commands of this stage (placeholder until the stage lands)."""
+
+from __future__ import annotations
+
+import typer
+
+
+def register(app: typer.Typer) -> None:
+    """Add this module's commands to `app`."""
