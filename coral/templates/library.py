@@ -6,7 +6,7 @@ import json
 import os
 import sqlite3
 import tempfile
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -59,18 +59,14 @@ class Template:
         return out
 
 
-def layout_to_json(stages: Sequence[Stage]) -> str:
-    return json.dumps([[s.layers, list(s.nodes), [round(t, 6) for t in s.node_throughput]] for s in stages])
-
-
-def layout_from_json(text: str) -> tuple[Stage, ...]:
-    return tuple(Stage(layers=int(lay), nodes=tuple(nodes), node_throughput=tuple(thr))
-                 for lay, nodes, thr in json.loads(text))
-
-
 @dataclass
 class TemplateLibrary:
-    """Column store of templates; row i is template id i."""
+    """Column store of templates; row i is template id i.
+
+    Layout columns have one slot per node (width = n_max): `nodes` holds the config index of each node (-1 pads),
+    `node_stage` its stage, `node_throughput` its tokens/s under the SLO, and `stage_layers` the layers of each
+    stage (0 pads). `dominated` marks templates beaten by a sub-multiset of their nodes (no less throughput).
+    """
 
     configs: list[str]
     model: np.ndarray  # object array of model names
@@ -78,58 +74,89 @@ class TemplateLibrary:
     slo_ms: np.ndarray
     throughput: np.ndarray
     counts: np.ndarray  # (N, C) int16
-    n_stages: np.ndarray
-    layouts: list[str] | None = None  # JSON per row, loaded lazily from `path`
+    nodes: np.ndarray  # (N, W) int16
+    node_stage: np.ndarray  # (N, W) int8
+    node_throughput: np.ndarray  # (N, W) float64
+    stage_layers: np.ndarray  # (N, W) int16
+    dominated: np.ndarray  # (N,) bool
     meta: dict[str, str] = field(default_factory=dict)
     path: Path | None = None
 
     def __len__(self) -> int:
         return int(self.throughput.shape[0])
 
+    @property
+    def n_stages(self) -> np.ndarray:
+        return (self.stage_layers > 0).sum(axis=1)
+
     @classmethod
     def from_templates(cls, configs: list[str], templates: Iterable[Template], meta: dict[str, str]) -> TemplateLibrary:
+        """A library from hand-made or decoded templates (ids are reassigned in order)."""
         rows = list(templates)
         idx = {c: i for i, c in enumerate(configs)}
-        counts = np.zeros((len(rows), len(configs)), dtype=np.int16)
+        width = max((t.n_nodes for t in rows), default=1)
+        n = len(rows)
+        counts = np.zeros((n, len(configs)), dtype=np.int16)
+        nodes = np.full((n, width), -1, dtype=np.int16)
+        node_stage = np.zeros((n, width), dtype=np.int8)
+        node_thr = np.zeros((n, width))
+        layers = np.zeros((n, width), dtype=np.int16)
         for r, t in enumerate(rows):
-            for c, n in t.counts.items():
-                counts[r, idx[c]] = n
-        return cls(
+            for c, k in t.counts.items():
+                counts[r, idx[c]] = k
+            slot = 0
+            for s, st in enumerate(t.stages):
+                layers[r, s] = st.layers
+                for cfg, thr in zip(st.nodes, st.node_throughput, strict=True):
+                    nodes[r, slot], node_stage[r, slot], node_thr[r, slot] = idx[cfg], s, thr
+                    slot += 1
+        lib = cls(
             configs=list(configs),
             model=np.array([t.model for t in rows], dtype=object),
             phase=np.array([str(t.phase) for t in rows], dtype=object),
             slo_ms=np.array([t.slo_ms for t in rows], dtype=float),
             throughput=np.array([t.throughput for t in rows], dtype=float),
             counts=counts,
-            n_stages=np.array([len(t.stages) for t in rows], dtype=np.int16),
-            layouts=[layout_to_json(t.stages) for t in rows],
+            nodes=nodes,
+            node_stage=node_stage,
+            node_throughput=node_thr,
+            stage_layers=layers,
+            dominated=np.zeros(n, dtype=bool),
             meta=dict(meta),
         )
+        lib.dominated = dominated_rows(lib)
+        return lib
 
     # --- queries --------------------------------------------------------------------------------------
     def keys(self) -> list[tuple[str, Phase]]:
         seen = dict.fromkeys(zip(self.model.tolist(), self.phase.tolist(), strict=True))
         return [(m, Phase(p)) for m, p in seen]
 
-    def select(self, model: str, phase: Phase | str) -> np.ndarray:
-        return np.flatnonzero((self.model == model) & (self.phase == str(phase)))
+    def select(self, model: str, phase: Phase | str, include_dominated: bool = True) -> np.ndarray:
+        mask = (self.model == model) & (self.phase == str(phase))
+        if not include_dominated:
+            mask &= ~self.dominated
+        return np.flatnonzero(mask)
 
     def costs(self, prices: dict[str, float]) -> np.ndarray:
         """$/h of every template in a region (inf where a config it uses is not offered)."""
         p = np.array([prices.get(c, np.inf) for c in self.configs])
         with np.errstate(invalid="ignore"):
-            cost = np.where(self.counts > 0, self.counts * p, 0.0).sum(axis=1)
-        return cost
-
-    def _ensure_layouts(self) -> None:
-        if self.layouts is None and self.path is not None:
-            self.layouts = _read_layouts(self.path)
+            return np.where(self.counts > 0, self.counts * p, 0.0).sum(axis=1)
 
     def layout(self, i: int) -> tuple[Stage, ...]:
-        self._ensure_layouts()
-        if self.layouts is None:
-            raise CoralInputError("library has no layouts")
-        return layout_from_json(self.layouts[i])
+        stages: list[tuple[list[str], list[float]]] = [([], []) for _ in range(int(self.n_stages[i]))]
+        for slot in range(self.nodes.shape[1]):
+            c = int(self.nodes[i, slot])
+            if c < 0:
+                continue
+            s = int(self.node_stage[i, slot])
+            stages[s][0].append(self.configs[c])
+            stages[s][1].append(float(self.node_throughput[i, slot]))
+        return tuple(
+            Stage(layers=int(self.stage_layers[i, s]), nodes=tuple(n), node_throughput=tuple(t))
+            for s, (n, t) in enumerate(stages)
+        )
 
     def template(self, i: int) -> Template:
         counts = {self.configs[c]: int(n) for c, n in enumerate(self.counts[i]) if n}
@@ -145,28 +172,14 @@ class TemplateLibrary:
 
     def subset(self, rows: np.ndarray) -> TemplateLibrary:
         """A library holding only `rows` (renumbered from 0)."""
-        self._ensure_layouts()
-        layouts = [self.layouts[i] for i in rows] if self.layouts is not None else None
-        return TemplateLibrary(
-            configs=list(self.configs),
-            model=self.model[rows],
-            phase=self.phase[rows],
-            slo_ms=self.slo_ms[rows],
-            throughput=self.throughput[rows],
-            counts=self.counts[rows],
-            n_stages=self.n_stages[rows],
-            layouts=layouts,
-            meta=dict(self.meta),
-        )
+        cols = {name: getattr(self, name)[rows] for name in _ROW_COLUMNS}
+        return TemplateLibrary(configs=list(self.configs), meta=dict(self.meta), **cols)
 
     # --- disk -----------------------------------------------------------------------------------------
     def save(self, path: str | Path) -> Path:
-        """Write atomically: a temporary file in the same folder, renamed over `path` when complete."""
+        """Write one SQLite file atomically (temporary file renamed over `path` when complete)."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        self._ensure_layouts()
-        if self.layouts is None:
-            raise CoralInputError("library has no layouts to save")
         fd, tmp = tempfile.mkstemp(prefix=".coral-lib-", suffix=".sqlite", dir=path.parent)
         os.close(fd)
         try:
@@ -175,23 +188,21 @@ class TemplateLibrary:
                 """
                 CREATE TABLE meta(key TEXT PRIMARY KEY, value TEXT NOT NULL);
                 CREATE TABLE configs(idx INTEGER PRIMARY KEY, name TEXT NOT NULL);
-                CREATE TABLE templates(
-                    id INTEGER PRIMARY KEY, model TEXT NOT NULL, phase TEXT NOT NULL, slo_ms REAL NOT NULL,
-                    throughput REAL NOT NULL, n_stages INTEGER NOT NULL, counts BLOB NOT NULL, layout TEXT NOT NULL);
-                CREATE INDEX templates_key ON templates(model, phase);
+                CREATE TABLE columns(name TEXT PRIMARY KEY, dtype TEXT NOT NULL, shape TEXT NOT NULL,
+                                     data BLOB NOT NULL);
                 """
             )
-            meta = {**self.meta, "format": str(LIBRARY_FORMAT)}
+            models = sorted(set(self.model.tolist()))
+            meta = {**self.meta, "format": str(LIBRARY_FORMAT), "models": json.dumps(models)}
             con.executemany("INSERT INTO meta VALUES (?, ?)", meta.items())
             con.executemany("INSERT INTO configs VALUES (?, ?)", enumerate(self.configs))
-            counts = self.counts.astype(np.int16)
+            code = {m: i for i, m in enumerate(models)}
+            arrays = {name: getattr(self, name) for name in _ROW_COLUMNS if name not in ("model", "phase")}
+            arrays["model"] = np.array([code[m] for m in self.model.tolist()], dtype=np.int16)
+            arrays["phase"] = (self.phase == str(Phase.DECODE)).astype(np.int8)
             con.executemany(
-                "INSERT INTO templates VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                (
-                    (i, self.model[i], self.phase[i], float(self.slo_ms[i]), float(self.throughput[i]),
-                     int(self.n_stages[i]), counts[i].tobytes(), self.layouts[i])
-                    for i in range(len(self))
-                ),
+                "INSERT INTO columns VALUES (?, ?, ?, ?)",
+                ((k, v.dtype.str, json.dumps(v.shape), np.ascontiguousarray(v).tobytes()) for k, v in arrays.items()),
             )
             con.commit()
             con.close()
@@ -204,7 +215,6 @@ class TemplateLibrary:
 
     @classmethod
     def load(cls, path: str | Path) -> TemplateLibrary:
-        """Load the numeric columns; layouts are read on first use."""
         path = Path(path)
         if not path.exists():
             raise CoralInputError(f"{path}: no template library here (build one with `coral templates build`)")
@@ -212,37 +222,54 @@ class TemplateLibrary:
             con = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
             meta = dict(con.execute("SELECT key, value FROM meta"))
             configs = [n for _, n in con.execute("SELECT idx, name FROM configs ORDER BY idx")]
-            rows = con.execute(
-                "SELECT model, phase, slo_ms, throughput, n_stages, counts FROM templates ORDER BY id"
-            ).fetchall()
+            raw = con.execute("SELECT name, dtype, shape, data FROM columns").fetchall()
             con.close()
         except sqlite3.DatabaseError as exc:
             raise CoralInputError(f"{path}: not a Coral template library ({exc})") from exc
         if meta.get("format") != str(LIBRARY_FORMAT):
             raise CoralInputError(f"{path}: library format {meta.get('format')!r}, expected {LIBRARY_FORMAT}")
-        n, c = len(rows), len(configs)
-        if n:
-            model, phase, slo, thr, nst, blobs = zip(*rows, strict=True)
-            counts = np.frombuffer(b"".join(blobs), dtype=np.int16).reshape(n, c).copy()
-        else:
-            model = phase = slo = thr = nst = ()
-            counts = np.zeros((0, c), dtype=np.int16)
-        return cls(
-            configs=configs,
-            model=np.array(model, dtype=object),
-            phase=np.array(phase, dtype=object),
-            slo_ms=np.array(slo, dtype=float),
-            throughput=np.array(thr, dtype=float),
-            counts=counts,
-            n_stages=np.array(nst, dtype=np.int16),
-            layouts=None,
-            meta=meta,
-            path=path,
-        )
+        cols = {n: np.frombuffer(d, dtype=np.dtype(t)).reshape(json.loads(sh)).copy() for n, t, sh, d in raw}
+        models = np.array(json.loads(meta["models"]), dtype=object)
+        cols["model"] = models[cols["model"]] if len(models) else np.array([], dtype=object)
+        cols["phase"] = np.where(cols["phase"] == 1, str(Phase.DECODE), str(Phase.PREFILL)).astype(object)
+        return cls(configs=configs, meta=meta, path=path, **cols)
 
 
-def _read_layouts(path: Path) -> list[str]:
-    con = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
-    out = [row[0] for row in con.execute("SELECT layout FROM templates ORDER BY id")]
-    con.close()
+_ROW_COLUMNS = (
+    "model", "phase", "slo_ms", "throughput", "counts", "nodes", "node_stage", "node_throughput",
+    "stage_layers", "dominated",
+)
+
+
+def dominated_rows(lib: TemplateLibrary) -> np.ndarray:
+    """True where some proper sub-multiset of a template's nodes is a template of the same (model, phase)
+    with no less throughput: that template is never needed (it uses more of every resource for no gain)."""
+    out = np.zeros(len(lib), dtype=bool)
+    if not len(lib):
+        return out
+    base = int(lib.counts.max()) + 2
+    weights = base ** np.arange(lib.counts.shape[1], dtype=np.int64)
+    for m, p in lib.keys():
+        rows = lib.select(m, p)
+        counts = lib.counts[rows].astype(np.int64)
+        keys = counts @ weights
+        order = np.argsort(keys)
+        skeys = keys[order]
+        thr = lib.throughput[rows]
+        best_sub = np.zeros(len(rows))  # best throughput among proper sub-multisets present in the library
+        size = counts.sum(axis=1)
+        for k in range(2, int(size.max()) + 1 if len(size) else 0):
+            at = np.flatnonzero(size == k)
+            for c in range(counts.shape[1]):
+                has = at[counts[at, c] > 0]
+                if not len(has):
+                    continue
+                sub_keys = keys[has] - weights[c]
+                pos = np.clip(np.searchsorted(skeys, sub_keys), 0, len(skeys) - 1)
+                found = skeys[pos] == sub_keys
+                sub_rows = order[pos[found]]
+                cand = np.maximum(thr[sub_rows], best_sub[sub_rows])
+                tgt = has[found]
+                np.maximum.at(best_sub, tgt, cand)
+        out[rows] = best_sub >= thr * (1 - 1e-12)
     return out

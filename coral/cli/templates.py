@@ -1,0 +1,104 @@
+"""`coral templates build|show`: the offline stage."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import typer
+from rich.table import Table
+
+from coral.catalog.loader import CoralInputError, builtin_catalog, load_scenario
+from coral.cli.common import DEFAULT_OUT, console, friendly_errors, library_path
+from coral.perf.roofline import PerfParams, RooflineModel
+from coral.templates.build import build_library
+from coral.templates.library import TemplateLibrary
+
+templates_app = typer.Typer(help="Offline stage: the Serving Template Library.", no_args_is_help=True)
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(templates_app, name="templates")
+
+
+def load_or_build(scenario: str, out: Path = DEFAULT_OUT, workers: int | None = None) -> TemplateLibrary:
+    """The scenario's library from `out/`, built (with a progress bar) when missing."""
+    path = library_path(scenario, out)
+    if path.exists():
+        return TemplateLibrary.load(path)
+    lib = build_library(load_scenario(scenario), workers=workers or os.cpu_count(), progress=True)
+    lib.save(path)
+    return lib
+
+
+@templates_app.command("build")
+@friendly_errors
+def build_cmd(
+    scenario: str = typer.Argument("core", help="built-in scenario name or scenario YAML"),
+    out: Path = typer.Option(DEFAULT_OUT, help="output folder"),
+    workers: int = typer.Option(os.cpu_count() or 1, help="local worker processes"),
+    ray: bool = typer.Option(False, "--ray", help="distribute on a Ray cluster (RAY_ADDRESS or a local one)"),
+    vllm_compatible: bool = typer.Option(False, help="keep only templates stock vLLM can launch"),
+    perf_params: Path | None = typer.Option(None, help="calibrated perf-model parameters (YAML)"),
+) -> None:
+    """Enumerate node combinations and solve each one's optimal placement."""
+    sc = load_scenario(scenario)
+    perf = RooflineModel(PerfParams.load(perf_params) if perf_params else None)
+    stage_filter = None
+    if vllm_compatible:
+        from coral.deploy.vllm import vllm_compatible_filter
+
+        stage_filter = vllm_compatible_filter
+    lib = build_library(sc, perf=perf, workers=workers, progress=True, use_ray=ray, stage_filter=stage_filter)
+    path = lib.save(library_path(scenario, out))
+    stats = json.loads(lib.meta["stats"])
+    table = Table(title=f"Serving Template Library: {sc.name}")
+    for col in ("model/phase", "candidates", "feasible", "kept", "non-dominated"):
+        table.add_column(col, justify="right" if col != "model/phase" else "left")
+    for key, st in stats.items():
+        m, p = key.split("/")
+        table.add_row(key, f"{st['candidates']:,}", f"{st['feasible']:,}", f"{st['kept']:,}",
+                      f"{len(lib.select(m, p, include_dominated=False)):,}")
+    console.print(table)
+    console.print(f"{len(lib):,} templates in {lib.meta['build_seconds']} s -> [bold]{path}[/]")
+
+
+@templates_app.command("show")
+@friendly_errors
+def show_cmd(
+    model: str = typer.Argument(..., help="model name, e.g. qwen3-32b"),
+    scenario: str = typer.Option("core", help="scenario whose library to read (built if missing)"),
+    phase: str = typer.Option("prefill", help="prefill or decode"),
+    region: str | None = typer.Option(None, help="price region (default: scenario's first)"),
+    top: int = typer.Option(10, min=1, help="rows to show"),
+    out: Path = typer.Option(DEFAULT_OUT, help="folder holding libraries"),
+) -> None:
+    """Best templates of a model by tokens/s per $ in a region."""
+    if phase not in ("prefill", "decode"):
+        raise CoralInputError(f"--phase: must be prefill or decode, not {phase!r}")
+    lib = load_or_build(scenario, out)
+    sc = load_scenario(scenario)
+    region = region or sc.regions[0]
+    if region not in sc.regions:
+        raise CoralInputError(f"--region: {region!r} is not in scenario {sc.name} ({', '.join(sc.regions)})")
+    rows = lib.select(model, phase)
+    if not len(rows):
+        known = sorted({m for m, _ in lib.keys()})
+        raise CoralInputError(f"model {model!r} has no templates in {sc.name}; models: {', '.join(known)}")
+    cost = lib.costs(builtin_catalog().prices(region))[rows]
+    with np.errstate(divide="ignore"):
+        eff = np.where(np.isfinite(cost), lib.throughput[rows] / cost, 0.0)
+    order = rows[np.argsort(-eff, kind="stable")][:top]
+    table = Table(title=f"{model} {phase} in {region}: best tokens/s per $")
+    for col in ("id", "nodes", "stages (layers: nodes)", "tokens/s", "$/h", "tokens/s/$"):
+        table.add_column(col)
+    for i in order:
+        t = lib.template(int(i))
+        c = t.cost(builtin_catalog().prices(region))
+        nodes = " + ".join(f"{n}×{cfg}" for cfg, n in t.counts.items())
+        stages = " | ".join(f"{s.layers}L: " + ",".join(f"{s.nodes.count(c)}×{c}" for c in dict.fromkeys(s.nodes))
+                            for s in t.stages)
+        table.add_row(str(t.id), nodes, stages, f"{t.throughput:,.0f}", f"{c:.2f}", f"{t.throughput / c:,.0f}")
+    console.print(table)

@@ -1,0 +1,71 @@
+"""Catalog data files load, and bad input gets an error naming the field."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from coral.catalog.loader import CoralInputError, builtin_catalog, load_scenario, model_from_hf_config
+from coral.catalog.schema import parse_config_name
+
+
+def test_builtin_catalog_has_required_gpus_models_and_regions() -> None:
+    cat = builtin_catalog()
+    for gpu in ("T4", "L4", "A10G", "V100", "A100-40G", "A100-80G", "L40S", "H100", "H200"):
+        assert gpu in cat.gpus
+    for m in ("phi-4", "gpt-oss-20b", "qwen3-32b", "llama-3-70b", "gpt-oss-120b", "qwen3-235b", "llama-2-70b",
+              "llama-3-8b"):
+        assert m in cat.models
+    assert {"aws-us-east-2", "aws-ap-northeast-2", "gcp-us-central1"} <= set(cat.regions())
+    for o in cat.offerings:
+        assert o.price_per_hour > 0 and o.source and o.price_date
+
+
+def test_scenarios_match_paper_setup() -> None:
+    core, ext = load_scenario("core"), load_scenario("extended")
+    assert (len(core.models), len(core.configs), len(core.regions)) == (3, 12, 2)
+    assert (len(ext.models), len(ext.configs), len(ext.regions)) == (6, 20, 3)
+    slo = {m.model: (m.prefill_slo_ms, m.decode_slo_ms) for m in ext.models}
+    assert slo["qwen3-235b"] == (1800, 120) and slo["gpt-oss-20b"] == (900, 30)
+
+
+def test_hf_config_import() -> None:
+    cfg = {"num_hidden_layers": 32, "hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8,
+           "intermediate_size": 14336, "vocab_size": 128256, "torch_dtype": "bfloat16"}
+    m = model_from_hf_config("my-llama", cfg)
+    assert m.num_hidden_layers == 32 and not m.is_moe
+    with pytest.raises(CoralInputError, match="num_hidden_layers"):
+        model_from_hf_config("broken", {**cfg, "num_hidden_layers": -1})
+
+
+@pytest.mark.parametrize(
+    ("patch", "field"),
+    [
+        ("prefill_slo_ms: 1200", "prefill_slo_ms: -5"),
+        ("model: phi-4", "model: no-such-model"),
+        ("[1xL4,", "[3xL4,"),
+    ],
+)
+def test_bad_scenario_names_the_field(tmp_path: Path, patch: str, field: str) -> None:
+    from coral.catalog.loader import data_path
+
+    text = data_path("scenarios", "core.yaml").read_text().replace(patch, field, 1)
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(CoralInputError) as err:
+        load_scenario(path)
+    msg = str(err.value)
+    assert "bad.yaml" in msg
+    assert any(k in msg for k in ("prefill_slo_ms", "models.0.model", "configs"))
+
+
+def test_malformed_yaml_and_unknown_gpu(tmp_path: Path) -> None:
+    path = tmp_path / "broken.yaml"
+    path.write_text("name: [unclosed\n")
+    with pytest.raises(CoralInputError, match="malformed"):
+        load_scenario(path)
+    with pytest.raises(CoralInputError, match="unknown GPU 'B300'"):
+        builtin_catalog().node_config("2xB300")
+    with pytest.raises(ValueError, match="must look like"):
+        parse_config_name("L4")
