@@ -279,6 +279,6 @@ class RooflineModel:
         if phase is Phase.DECODE:
             lo = np.floor(lo)
         t = self.step_time(model, phase, node, j, lo, workload, send)
-        thr = np.where(ok, lo / t, 0.0)
+        thr = np.where(ok, lo / np.where(t > 0, t, 1.0), 0.0)
         thr[1:] = np.minimum.accumulate(thr[1:])  # monotone envelope: more layers never give more throughput
         return thr, np.where(thr > 0, lo, 0.0)

@@ -1,0 +1,95 @@
+"""Benchmark the offline stage: extended-scenario library build, and fast solver vs the paper's ILP.
+
+    python benchmarks/templates.py [--scenario extended] [--workers 2] [--ilp-sets 24]
+
+Prints a table and writes out/benchmarks/templates.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+from coral.catalog.loader import builtin_catalog, load_scenario
+from coral.perf import RooflineModel
+from coral.templates.build import build_library, prepare_job, scenario_jobs
+from coral.templates.library import TemplateLibrary
+from coral.templates.placement import solve_node_sets
+from coral.templates.reference_ilp import solve_reference
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--scenario", default="extended")
+    ap.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--ilp-sets", type=int, default=8, help="node sets solved by both solvers")
+    ap.add_argument("--out", type=Path, default=Path("out/benchmarks"))
+    args = ap.parse_args()
+    console = Console()
+    sc = load_scenario(args.scenario)
+
+    t0 = time.perf_counter()
+    lib = build_library(sc, workers=args.workers, progress=True)
+    build_s = time.perf_counter() - t0
+    path = lib.save(args.out / f"{sc.name}.templates.sqlite")
+    t1 = time.perf_counter()
+    TemplateLibrary.load(path)
+    load_s = time.perf_counter() - t1
+    stats = json.loads(lib.meta["stats"])
+
+    # Fast solver vs reference ILP on the same real node sets (2-3 nodes, so the ILP finishes in seconds).
+    pm = RooflineModel()
+    job = next(j for j in scenario_jobs(sc, builtin_catalog()) if j.model.name == "qwen3-32b")
+    prep = prepare_job(job, pm)
+    rng = np.random.default_rng(0)
+    pool = np.flatnonzero((prep.sizes >= 2) & (prep.sizes <= 3))
+    rows = rng.choice(pool, size=min(args.ilp_sets, len(pool)), replace=False)
+    sets = np.where(prep.node_sets[rows] >= 0, prep.node_sets[rows], 0)
+    solve_node_sets(sets[:1], prep.sizes[rows][:1], prep.tables)  # compile outside the timing
+    t2 = time.perf_counter()
+    fast, _, _ = solve_node_sets(sets, prep.sizes[rows], prep.tables)
+    fast_s = time.perf_counter() - t2
+    ilp_s, agree = 0.0, 0
+    for i, r in enumerate(rows):
+        slots = [int(c) for c in prep.node_sets[r] if c >= 0]
+        ref = solve_reference(slots, prep.tables)
+        ilp_s += ref.seconds
+        agree += bool(abs(ref.throughput - fast[i]) <= 1e-6 * max(1.0, ref.throughput))
+
+    result = {
+        "scenario": sc.name,
+        "cores": os.cpu_count(),
+        "workers": args.workers,
+        "templates": len(lib),
+        "non_dominated": int((~lib.dominated).sum()),
+        "candidates": sum(s["candidates"] for s in stats.values()),
+        "build_seconds": round(build_s, 2),
+        "load_seconds": round(load_s, 3),
+        "library_mb": round(path.stat().st_size / 1e6, 1),
+        "per_job": stats,
+        "ilp_sets": len(rows),
+        "ilp_agree": agree,
+        "ilp_seconds": round(ilp_s, 3),
+        "fast_seconds": round(fast_s, 6),
+        "speedup": round(ilp_s / max(fast_s, 1e-9), 1),
+    }
+    table = Table(title=f"Template library benchmark ({sc.name}, {args.workers} workers)")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for k, v in result.items():
+        if k != "per_job":
+            table.add_row(k, f"{v:,}" if isinstance(v, int) else str(v))
+    console.print(table)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "templates.json").write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
