@@ -141,6 +141,10 @@ def test_build_core_library_is_consistent() -> None:
         assert sum(s.layers for s in t.stages) == builtin_catalog().model(t.model).num_hidden_layers
         assert t.throughput == pytest.approx(min(s.throughput for s in t.stages))
         assert sum(len(s.nodes) for s in t.stages) == t.n_nodes <= 6
+    regions, costs = lib.region_costs()
+    assert regions == sorted(load_scenario("core").regions)
+    i = int(np.flatnonzero(np.isfinite(costs[:, 0]))[0])
+    assert costs[i, 0] == pytest.approx(lib.template(i).cost(builtin_catalog().prices(regions[0])))
 
 
 def test_parallel_build_equals_serial() -> None:

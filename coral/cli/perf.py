@@ -10,6 +10,7 @@ import yaml
 from rich.table import Table
 
 from coral.catalog.loader import CoralInputError, builtin_catalog
+from coral.catalog.schema import parse_config_name
 from coral.cli.common import console, friendly_errors
 from coral.perf import PerfParams, Phase, RooflineModel, Workload
 from coral.perf.measured import MeasuredModel, calibrate
@@ -83,3 +84,24 @@ def calibrate_cmd(
     o = params.gpu_overrides[node.gpu.name]
     console.print(f"{node.gpu.name}: compute {o.compute_efficiency:.2f}, memory {o.memory_efficiency:.2f}, "
                   f"overhead {o.step_overhead_ms:.1f} ms; rms relative error {err:.1%} -> [bold]{out}[/]")
+
+
+@perf_app.command("profile")
+@friendly_errors
+def profile_cmd(
+    model_id: str = typer.Option(..., help="Hugging Face model id vLLM should serve"),
+    config: str = typer.Option(..., help="node config of this machine, e.g. 2xL40S"),
+    out: Path = typer.Option(Path("profiles"), help="profile folder (Helix layout)"),
+    layers: tuple[int, int] = typer.Option((2, 4), help="two layer counts to difference"),
+    command: str | None = typer.Option(None, help="engine command template with {layers} {port} {model}"),
+) -> None:
+    """Measure per-layer prefill/decode times with vLLM on this GPU machine (writes Helix-layout CSVs)."""
+    from coral.perf.profiler import ProfileSpec, profile, subprocess_launcher
+
+    _, gpus = parse_config_name(config)
+    spec = ProfileSpec(model_id, config, gpus, layer_counts=layers)
+    with console.status(f"profiling {model_id} on {config} with {layers[0]} and {layers[1]} layers"):
+        rows = profile(spec, subprocess_launcher(spec, command), out)
+    for phase, pts in rows.items():
+        console.print(f"{phase}: " + ", ".join(f"{b} tok: {ms:.3f} ms/layer" for b, ms in pts))
+    console.print(f"-> [bold]{out / config}[/]")

@@ -306,6 +306,7 @@ def build_library(
         "perf_params": perf.params.model_dump_json(),
         "build_seconds": f"{time.perf_counter() - t0:.3f}",
         "filter": "custom" if stage_filter else "none",
+        "prices": json.dumps({r: catalog.prices(r) for r in scenario.regions}),
     }
     lib, stats = results_to_library(results, scenario.configs, meta, stage_filter)
     _check_every_job_served(jobs, stats)

@@ -144,6 +144,18 @@ class TemplateLibrary:
         with np.errstate(invalid="ignore"):
             return np.where(self.counts > 0, self.counts * p, 0.0).sum(axis=1)
 
+    def build_prices(self) -> dict[str, dict[str, float]]:
+        """The $/node-hour per region and config recorded when the library was built."""
+        return {r: dict(p) for r, p in json.loads(self.meta.get("prices", "{}")).items()}
+
+    def region_costs(self) -> tuple[list[str], np.ndarray]:
+        """(regions, (N, R) $/h of every template per region at build-time prices; inf where not offered)."""
+        prices = self.build_prices()
+        regions = sorted(prices)
+        if not regions:
+            return [], np.zeros((len(self), 0))
+        return regions, np.stack([self.costs(prices[r]) for r in regions], axis=1)
+
     def layout(self, i: int) -> tuple[Stage, ...]:
         stages: list[tuple[list[str], list[float]]] = [([], []) for _ in range(int(self.n_stages[i]))]
         for slot in range(self.nodes.shape[1]):
