@@ -69,3 +69,28 @@ def test_malformed_yaml_and_unknown_gpu(tmp_path: Path) -> None:
         builtin_catalog().node_config("2xB300")
     with pytest.raises(ValueError, match="must look like"):
         parse_config_name("L4")
+
+
+def test_user_adds_a_model_from_hf_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import json
+
+    from typer.testing import CliRunner
+
+    from coral.cli.main import app
+
+    monkeypatch.setenv("CORAL_HOME", str(tmp_path / "home"))
+    builtin_catalog.cache_clear()
+    cfg = {"num_hidden_layers": 28, "hidden_size": 3584, "num_attention_heads": 28, "num_key_value_heads": 4,
+           "intermediate_size": 18944, "vocab_size": 152064, "torch_dtype": "bfloat16"}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    try:
+        res = CliRunner().invoke(app, ["models", "add", "qwen2.5-7b", str(tmp_path / "config.json")])
+        assert res.exit_code == 0, res.output
+        assert builtin_catalog().model("qwen2.5-7b").num_hidden_layers == 28
+        (tmp_path / "bad.json").write_text(json.dumps({**cfg, "num_key_value_heads": 5}))
+        res = CliRunner().invoke(app, ["models", "add", "bad", str(tmp_path / "bad.json")])
+        assert res.exit_code == 2 and "num_key_value_heads" in res.output
+        assert not (tmp_path / "home" / "models" / "bad.yaml").exists()
+    finally:
+        monkeypatch.delenv("CORAL_HOME")
+        builtin_catalog.cache_clear()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from functools import cache
 from importlib import resources
@@ -130,15 +131,28 @@ class Catalog:
         return Catalog(gpus=self.gpus, offerings=tuple(offerings), models=self.models)
 
 
+def user_models_dir() -> Path:
+    """Where `coral models add` keeps user models: $CORAL_HOME/models (default ~/.coral/models)."""
+    return Path(os.environ.get("CORAL_HOME", Path.home() / ".coral")) / "models"
+
+
+def user_models() -> list[ModelArch]:
+    folder = user_models_dir()
+    if not folder.is_dir():
+        return []
+    return [load_file(ModelArch, p) for p in sorted(folder.glob("*.yaml"))]
+
+
 @cache
 def builtin_catalog() -> Catalog:
+    """Packaged GPUs, offerings and models, plus the user's models from `user_models_dir()`."""
     gpus = load_file(GpuCatalog, data_path("gpus.yaml"))
     offers = load_file(OfferingCatalog, data_path("offerings.yaml"))
     models = load_file(ModelCatalog, data_path("models.yaml"))
     cat = Catalog(
         gpus={g.name: g for g in gpus.gpus},
         offerings=tuple(offers.offerings),
-        models={m.name: m for m in models.models},
+        models={m.name: m for m in [*models.models, *user_models()]},
     )
     for o in cat.offerings:
         cat.gpu(o.gpu)
