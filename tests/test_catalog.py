@@ -94,3 +94,17 @@ def test_user_adds_a_model_from_hf_config(tmp_path: Path, monkeypatch: pytest.Mo
     finally:
         monkeypatch.delenv("CORAL_HOME")
         builtin_catalog.cache_clear()
+
+
+def test_scenario_availability_schedule_is_checked(tmp_path: Path) -> None:
+    from coral.catalog.loader import data_path
+
+    base = data_path("scenarios", "core.yaml").read_text()
+    good = base + "availability_schedule:\n  steps:\n    - {at_s: 0, counts: {aws-us-east-2: {1xL4: 4}}}\n" \
+                  "    - {at_s: 600, counts: {aws-us-east-2: {1xL4: 1}}}\n"
+    (tmp_path / "ok.yaml").write_text(good)
+    sched = load_scenario(tmp_path / "ok.yaml").availability_schedule
+    assert sched is not None and sched.at(700)["aws-us-east-2"]["1xL4"] == 1
+    (tmp_path / "bad.yaml").write_text(good.replace("{1xL4: 1}", "{9xL4: 1}"))
+    with pytest.raises(CoralInputError, match="availability_schedule"):
+        load_scenario(tmp_path / "bad.yaml")

@@ -77,3 +77,13 @@ def test_layer_larger_than_the_node_fits_zero_layers() -> None:
                                          "num_key_value_heads": 8, "intermediate_size": 200_000, "vocab_size": 32000})
     assert PM.max_layers(huge, CAT.node_config("1xT4"), W) == 0
     assert PM.max_layers(CAT.model("qwen3-235b"), CAT.node_config("1xT4"), W) == 2
+
+
+def test_pipeline_keeps_stage_count_micro_batches_in_kv() -> None:
+    """With S stages, S micro-batches are in flight, so the batch is capped at KV capacity / S."""
+    m, node = CAT.model("qwen3-32b"), CAT.node_config("1xH100")
+    cap, _, _ = PM.batch_limits(m, Phase.DECODE, node, W)
+    for stages in (1, 2, 3):
+        _, batch = PM.throughput_table(m, Phase.DECODE, node, 10.0, stages, W)  # loose SLO: memory binds
+        j = 54
+        assert batch[j] == min(np.floor(cap[j] / stages), PM.params.max_decode_batch)

@@ -142,6 +142,42 @@ class AvailabilityHeadroom(_Strict):
     factor: float = Field(gt=0)
 
 
+class AvailabilityStep(_Strict):
+    """From `at_s` on, the listed (region, config) node counts."""
+
+    at_s: float = Field(ge=0, description="from this simulated time on")
+    counts: dict[str, dict[str, int]] = Field(description="{region: {config: nodes}}; unlisted pairs keep their count")
+
+
+class AvailabilitySchedule(_Strict):
+    """Piecewise-constant availability. Each step overrides the listed (region, config) counts."""
+
+    schema_version: Literal[1] = 1
+    steps: list[AvailabilityStep] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _sorted(self) -> AvailabilitySchedule:
+        times = [s.at_s for s in self.steps]
+        if times != sorted(times):
+            raise ValueError("steps: at_s must be non-decreasing")
+        for i, s in enumerate(self.steps):
+            for region, cfgs in s.counts.items():
+                for cfg, n in cfgs.items():
+                    if n < 0:
+                        raise ValueError(f"steps.{i}.counts.{region}.{cfg}: count must be >= 0")
+        return self
+
+    def at(self, t: float) -> dict[str, dict[str, int]]:
+        """Counts in force at time t."""
+        out: dict[str, dict[str, int]] = {}
+        for s in self.steps:
+            if s.at_s > t:
+                break
+            for region, cfgs in s.counts.items():
+                out.setdefault(region, {}).update(cfgs)
+        return out
+
+
 class Scenario(_Strict):
     schema_version: Literal[1] = 1
     name: str
@@ -151,6 +187,9 @@ class Scenario(_Strict):
     models: list[ScenarioModel] = Field(min_length=1)
     availability: dict[str, dict[str, int]] | AvailabilityHeadroom = Field(
         description="explicit node counts per region and config, or a headroom rule"
+    )
+    availability_schedule: AvailabilitySchedule | None = Field(
+        default=None, description="availability over simulated time; overrides `availability` from each step on"
     )
     n_max: int = Field(default=6, ge=1, le=8)
     rho: float = Field(default=12.0, gt=1)
@@ -178,6 +217,14 @@ class Scenario(_Strict):
                         raise ValueError(f"availability.{region}: config {cfg!r} is not in configs")
                     if n < 0:
                         raise ValueError(f"availability.{region}.{cfg}: count must be >= 0")
+        if self.availability_schedule is not None:
+            for i, step in enumerate(self.availability_schedule.steps):
+                for region, counts in step.counts.items():
+                    if region not in self.regions:
+                        raise ValueError(f"availability_schedule.steps.{i}: region {region!r} is not in regions")
+                    bad = sorted(set(counts) - set(self.configs))
+                    if bad:
+                        raise ValueError(f"availability_schedule.steps.{i}.{region}: configs {bad} not in configs")
         names = [m.model for m in self.models]
         if len(set(names)) != len(names):
             raise ValueError("models: each model may appear once")

@@ -1,9 +1,110 @@
-"""CLI commands of this stage (placeholder until the stage lands)."""
+"""`coral allocate` (the online stage) and `coral experiment NAME` (allocation experiments)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import typer
+from rich.table import Table
+
+from coral.catalog.loader import CoralInputError, load_scenario
+from coral.cli.common import DEFAULT_OUT, console, friendly_errors
 
 
 def register(app: typer.Typer) -> None:
-    """Add this module's commands to `app`."""
+    """Add `allocate` and `experiment` to `app`."""
+    app.command("allocate")(allocate_cmd)
+    app.command("experiment")(experiment_cmd)
+
+
+def plan_table(plan: object) -> Table:
+    from coral.allocation.plan import Plan
+
+    assert isinstance(plan, Plan)
+    table = Table(title=f"{plan.method} plan for {plan.scenario} ({plan.mode}), ${plan.cost_per_hour:,.2f}/h")
+    for col in ("model/phase", "instances (template@region ×n)", "$/h", "demand tok/s", "capacity tok/s",
+                "spare", "served"):
+        table.add_column(col, justify="left" if col.startswith(("model", "inst")) else "right")
+    for s in plan.serving:
+        groups: dict[str, int] = {}
+        for i in plan.instances_of(s.model, s.phase):
+            label = "+".join(f"{c}*{n}" if n > 1 else c for c, n in sorted(i.counts.items()))
+            name = f"t{i.template_id}[{label}]@{i.region}"
+            groups[name] = groups.get(name, 0) + 1
+        text = ", ".join(f"{k} ×{n}" for k, n in groups.items()) or "-"
+        spare = (s.capacity - s.demand) / s.demand if s.demand else 0.0
+        table.add_row(f"{s.model}/{s.phase}", text, f"{s.cost_per_hour:,.2f}", f"{s.demand:,.0f}",
+                      f"{s.capacity:,.0f}", f"{spare:+.1%}", f"{s.served_fraction:.1%}")
+    return table
+
+
+@friendly_errors
+def allocate_cmd(
+    scenario: str = typer.Argument("core", help="built-in scenario name or scenario YAML"),
+    mode: str = typer.Option("cost", help="cost | goodput | scaled"),
+    method: str = typer.Option("coral", help="coral | homo | cauchy"),
+    availability_factor: float | None = typer.Option(None, help="headroom factor overriding the scenario's"),
+    running: Path | None = typer.Option(None, help="previous plan JSON (scale-up penalty against it)"),
+    time_limit: float = typer.Option(30.0, help="solver time limit, s"),
+    gap: float = typer.Option(1e-4, help="relative MIP gap"),
+    out: Path = typer.Option(DEFAULT_OUT, help="folder with the library; the plan is written here"),
+) -> None:
+    """Plan instances per (template, region) for the scenario's demand."""
+    from coral.allocation import baselines
+    from coral.allocation.allocator import allocate
+    from coral.allocation.availability import resolve_availability
+    from coral.allocation.plan import Plan
+    from coral.experiments.allocation import load_library
+
+    if mode not in ("cost", "goodput", "scaled"):
+        raise CoralInputError(f"--mode: must be cost, goodput or scaled, not {mode!r}")
+    sc = load_scenario(scenario)
+    lib = load_library(scenario, out)
+    avail = resolve_availability(sc, lib, factor=availability_factor)
+    if method == "coral":
+        prev = Plan.load(running) if running else None
+        plan = allocate(lib, sc, availability=avail, running=prev, mode=mode,  # type: ignore[arg-type]
+                        time_limit=time_limit, gap=gap)
+    elif method == "homo":
+        plan = baselines.homo(lib, sc, availability=avail)
+    elif method == "cauchy":
+        plan = baselines.cauchy(lib, sc, availability=avail, time_limit=time_limit, gap=gap)
+    else:
+        raise CoralInputError(f"--method: must be coral, homo or cauchy, not {method!r}")
+    console.print(plan_table(plan))
+    s = plan.solve
+    console.print(f"status {s.status}, objective {s.objective}, bound {s.bound}, gap {s.gap}, "
+                  f"{s.time_s:.3f} s, {s.n_variables} vars, {s.n_constraints} rows; penalty "
+                  f"${plan.penalty_per_hour:,.2f}/h")
+    for note in s.notes:
+        console.print(f"  [dim]{note}[/]")
+    path = plan.save(out / f"{Path(scenario).stem}.{method}.plan.json")
+    console.print(f"-> [bold]{path}[/]")
+
+
+@friendly_errors
+def experiment_cmd(
+    name: str = typer.Argument(..., help="default | scarce | imbalanced | epochs"),
+    out: Path = typer.Option(DEFAULT_OUT, help="output folder (libraries cached here; results in experiments/)"),
+    time_limit: float = typer.Option(30.0, help="solver time limit per solve, s"),
+    scenario: str = typer.Option("extended", help="scenario of the epochs experiment"),
+) -> None:
+    """Run an allocation experiment: print a table, write JSON and a PNG plot."""
+    from coral.experiments.allocation import run_experiment
+
+    result = run_experiment(name, out, time_limit, **({"scenario": scenario} if name == "epochs" else {}))
+    table = Table(title=result.title)
+    for col in result.columns:
+        table.add_column(col, justify="left" if col in ("setting", "method", "status") else "right")
+    for row in result.rows:
+        table.add_row(*[_fmt(row.get(c)) for c in result.columns])
+    console.print(table)
+    for note in result.notes:
+        console.print(f"[dim]{note}[/]")
+    console.print("-> " + ", ".join(f"[bold]{p}[/]" for p in result.files))
+
+
+def _fmt(v: object) -> str:
+    if isinstance(v, float):
+        return f"{v:.3g}" if abs(v) < 1e-2 and v else f"{v:,.3f}".rstrip("0").rstrip(".")
+    return "-" if v is None else str(v)

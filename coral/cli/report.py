@@ -1,9 +1,67 @@
-"""CLI commands of this stage (placeholder until the stage lands)."""
+"""`coral report`: a self-contained HTML report of a plan, its baselines and its simulation, plus terminal tables."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import typer
+
+from coral.allocation.plan import Plan
+from coral.cli.common import DEFAULT_OUT, console, friendly_errors
+from coral.report.adapters import load_inputs
+from coral.report.browser import run_chromium
+from coral.report.html import build_report
+from coral.report.inputs import ReportInputs
+from coral.report.terminal import print_comparison, print_inputs, print_plan
+
+
+@friendly_errors
+def report(
+    plan: Path | None = typer.Option(None, "--plan", help="Plan JSON (from `coral allocate`)."),
+    baseline: list[Path] = typer.Option(
+        [], "--baseline", help="Baseline Plan JSON (homo, cauchy, ...); repeatable."
+    ),
+    sim: Path | None = typer.Option(
+        None, "--sim", help="SimResult JSON from `coral simulate`, or ReportInputs JSON/YAML."
+    ),
+    experiment: list[Path] = typer.Option(
+        [], "--experiment", help="Experiment JSON/YAML with per-epoch cost/goodput/churn; repeatable."
+    ),
+    out: Path = typer.Option(
+        DEFAULT_OUT / "report.html", "--out", "-o", help="Where to write the HTML report."
+    ),
+    screenshot: Path | None = typer.Option(
+        None, "--screenshot", help="Also save a PNG of the rendered page (needs Debian's chromium)."
+    ),
+    example: bool = typer.Option(False, "--example", help="Report on the built-in example plan instead."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="Only print where the report went."),
+) -> None:
+    """Write a self-contained HTML report (open it in any browser, no network needed) and print the plan."""
+    if example:
+        from coral.report.examples import example_baseline, example_inputs, example_plan
+
+        the_plan, baselines, inputs = example_plan(), [example_baseline()], example_inputs()
+    elif plan is None:
+        raise typer.BadParameter("give --plan PLAN.json (or --example)", param_hint="--plan")
+    else:
+        the_plan = Plan.load(plan)
+        baselines = [Plan.load(p) for p in baseline]
+        inputs = load_inputs(sim) if sim else ReportInputs()
+        for path in experiment:
+            inputs = inputs.merged(load_inputs(path))
+    if not quiet:
+        print_plan(the_plan, console)
+        if baselines:
+            print_comparison(the_plan, baselines, console)
+        print_inputs(inputs, the_plan.method, console)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(build_report(the_plan, baselines=baselines, sim=inputs))
+    console.print(f"[green]wrote[/] {out}")
+    if screenshot is not None:
+        run_chromium(out.resolve().as_uri(), screenshot=screenshot)
+        console.print(f"[green]wrote[/] {screenshot}")
 
 
 def register(app: typer.Typer) -> None:
-    """Add this module's commands to `app`."""
+    """Add `coral report` to the root app."""
+    app.command("report")(report)

@@ -1,9 +1,186 @@
-"""CLI commands of this stage (placeholder until the stage lands)."""
+"""`coral serve` (controller + gateway + emulated or local vLLM engines), `coral gateway` (over deployed
+engines) and `coral status`."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
 import typer
+import uvicorn
+from fastapi import FastAPI
+from rich.table import Column, Table
+
+from coral.allocation.plan import Plan
+from coral.catalog.loader import CoralInputError, load_scenario
+from coral.cli.common import DEFAULT_OUT, console, friendly_errors, library_path
+from coral.deploy.endpoints import EndpointsFile
+from coral.report.dashboard import make_router
+from coral.runtime.backends import EmulatedBackend, VllmProcessBackend
+from coral.runtime.controller import Controller, Store, controller_router, runtime_state_provider
+from coral.runtime.gateway import GatewayConfig, create_gateway_app
+from coral.runtime.registry import Endpoint, InstanceState, Registry
+
+DEFAULT_URL = "http://127.0.0.1:8080"
+
+
+def allocator_planner(
+    scenario_name: str, running: Callable[[], Plan | None], out: Path = DEFAULT_OUT
+) -> Callable[[], Plan]:
+    """Planner running the allocator on the scenario's template library (built by `coral templates build`),
+    warm from the `running` plan so unchanged instances are kept."""
+    from coral.templates.library import TemplateLibrary
+
+    try:
+        from coral.allocation.allocator import allocate
+    except ImportError:
+        raise CoralInputError("the allocator is not available in this build; pass --plan PLAN.json") from None
+    scenario = load_scenario(scenario_name)
+    path = library_path(scenario_name, out)
+    if not path.exists():
+        raise CoralInputError(
+            f"{path}: no template library; run `coral templates build {scenario_name}` first"
+        )
+    library = TemplateLibrary.load(path)
+    return lambda: allocate(library, scenario, running=running())
+
+
+def static_registry(spec: EndpointsFile) -> Registry:
+    """A registry of ready endpoints from an endpoints file (health checks take unreachable ones out)."""
+    registry = Registry()
+    for e in spec.endpoints:
+        registry.add(Endpoint(e.id, e.model, e.phase, e.url, e.weight, InstanceState.READY))
+    return registry
+
+
+def build_runtime(
+    planner: Callable[[], Plan],
+    store: Store,
+    backend: EmulatedBackend | VllmProcessBackend,
+    interval_s: float,
+    config: GatewayConfig | None = None,
+) -> tuple[FastAPI, Controller]:
+    """Gateway app with the controller API (`/state`, `/replan`) and dashboard mounted, and its controller."""
+    registry = Registry()
+    controller = Controller(store, backend, registry, planner, interval_s=interval_s)
+    app = create_gateway_app(registry, config)
+    provider = runtime_state_provider(controller, app.state.gateway)
+    app.include_router(controller_router(controller, app.state.gateway.state))
+    app.include_router(make_router(provider))
+    return app, controller
 
 
 def register(app: typer.Typer) -> None:
-    """Add this module's commands to `app`."""
+    """Add `serve` and `status` to `app`."""
+
+    @app.command("serve")
+    @friendly_errors
+    def serve(
+        scenario: str = typer.Argument(..., help="scenario name or file"),
+        backend: str = typer.Option(
+            "emulated", help="emulated | vllm (local `vllm serve` per single-node instance)"
+        ),
+        plan: Path | None = typer.Option(
+            None, help="serve this plan (re-read every interval) instead of allocating"
+        ),
+        host: str = typer.Option("127.0.0.1"),
+        port: int = typer.Option(8080),
+        time_scale: float = typer.Option(1.0, help="multiplies the emulated engines' perf-model delays"),
+        interval: float = typer.Option(60.0, help="seconds between allocator runs"),
+        db: Path | None = typer.Option(
+            None, help="controller state file (default out/<scenario>.runtime.sqlite)"
+        ),
+        gpus: str = typer.Option("", help="vllm backend: GPU indices to hand out, e.g. '0,1,2,3'"),
+        vllm_bin: str = typer.Option("vllm", help="vllm backend: the vllm executable"),
+    ) -> None:
+        """Run controller + gateway + engines; OpenAI API on http://HOST:PORT/v1, state on /state."""
+        engines: EmulatedBackend | VllmProcessBackend
+        if backend == "emulated":
+            engines = EmulatedBackend(time_scale=time_scale)
+        elif backend == "vllm":
+            try:
+                ids = [int(g) for g in gpus.split(",") if g.strip()]
+            except ValueError:
+                raise CoralInputError(f"--gpus {gpus!r}: must be comma-separated integers") from None
+            engines = VllmProcessBackend(ids, [vllm_bin], log_dir=DEFAULT_OUT / "vllm-logs")
+        else:
+            raise CoralInputError(
+                f"--backend {backend!r}: must be 'emulated' or 'vllm'; for clusters render manifests with `coral deploy`"
+            )
+        load_scenario(scenario)
+        if plan is not None:
+            Plan.load(plan)  # fail now on a bad file
+            plan_path = plan
+            planner: Callable[[], Plan] = lambda: Plan.load(plan_path)  # noqa: E731
+        db_path = db or DEFAULT_OUT / f"{Path(scenario).stem}.runtime.sqlite"
+        store = Store(db_path)
+        if plan is None:
+            planner = allocator_planner(scenario, store.plan)
+        gw_app, controller = build_runtime(planner, store, engines, interval)
+        controller.start()
+        console.print(
+            f"[green]coral serve[/] {scenario}: gateway http://{host}:{port}/v1, state /state, db {db_path}"
+        )
+        try:
+            uvicorn.run(gw_app, host=host, port=port, log_level="warning")
+        finally:
+            controller.stop()
+            engines.close()
+
+    @app.command("gateway")
+    @friendly_errors
+    def gateway(
+        endpoints: Path = typer.Option(
+            ..., help="endpoints.json written by `coral deploy --target kubernetes`"
+        ),
+        host: str = typer.Option("0.0.0.0"),
+        port: int = typer.Option(8080),
+        max_concurrency: int = typer.Option(256, help="requests upstream at once"),
+        max_waiting: int = typer.Option(1024, help="requests queued beyond that before 429"),
+    ) -> None:
+        """Serve the OpenAI API over deployed engines (static endpoints, no controller)."""
+        registry = static_registry(EndpointsFile.load(endpoints))
+        cfg = GatewayConfig(max_concurrency=max_concurrency, max_waiting=max_waiting)
+        console.print(
+            f"[green]coral gateway[/]: {len(registry.all())} endpoint(s) on http://{host}:{port}/v1"
+        )
+        uvicorn.run(create_gateway_app(registry, cfg), host=host, port=port, log_level="warning")
+
+    @app.command("status")
+    @friendly_errors
+    def status(url: str = typer.Option(DEFAULT_URL, help="base URL of `coral serve`")) -> None:
+        """Show the controller's plan, instances and recent actions."""
+        try:
+            st = httpx.get(f"{url.rstrip('/')}/state", timeout=5).json()
+        except httpx.HTTPError as exc:
+            raise CoralInputError(
+                f"--url {url}: cannot reach the controller ({type(exc).__name__})"
+            ) from None
+        p = st.get("plan")
+        if p:
+            n = len(p["instances"])
+            console.print(
+                f"plan [bold]{p['scenario']}[/] ({p['method']}): {n} instances, ${p['cost_per_hour']:.2f}/h"
+            )
+        t = Table(
+            Column("instance", no_wrap=True),
+            "state",
+            "in flight",
+            "served",
+            "plan/obs",
+            title="instances",
+        )
+        for i in st["instances"]:
+            state = i["state"] if i["healthy"] or i["state"] != "ready" else "ready (unhealthy)"
+            share = f"{i['target_share']:.2f}/{i['observed_share']:.2f}"
+            t.add_row(i["id"], state, str(i["inflight"]), str(i["served"]), share)
+        console.print(t)
+        a = Table(
+            "seq", "action", Column("instance", no_wrap=True), "status", "detail", title="recent actions"
+        )
+        for row in st["actions"][:10]:
+            a.add_row(str(row["seq"]), row["kind"], row["instance_id"], row["status"], row["detail"])
+        console.print(a)
+        if st.get("last_error"):
+            console.print(f"[red]last controller error:[/] {st['last_error']}")

@@ -253,13 +253,16 @@ class RooflineModel:
         stages: int,
         workload: Workload,
     ) -> tuple[np.ndarray, np.ndarray]:
-        """(tokens/s, batch) for j = 0..L when each of `stages` stages gets slo_s/stages per step."""
+        """(tokens/s, batch) for j = 0..L when each of `stages` stages gets slo_s/stages per step; the batch
+        is per micro-batch, and `stages` micro-batches must fit in the KV cache together."""
         p = self.params
         frac = p.prefill_budget_fraction if phase is Phase.PREFILL else p.decode_budget_fraction
         budget = slo_s / stages * frac
         cap_mem, lo_batch, cap_cfg = self.batch_limits(model, phase, node, workload)
         j = np.arange(model.num_hidden_layers + 1)
-        hi = np.minimum(cap_mem, cap_cfg)
+        # A full pipeline keeps `stages` micro-batches in flight, each holding KV on every stage node.
+        in_flight = cap_mem / stages if phase is Phase.PREFILL else np.floor(cap_mem / stages)
+        hi = np.minimum(in_flight, cap_cfg)
         send = stages > 1
 
         def fits(batch: np.ndarray) -> np.ndarray:

@@ -1,0 +1,24 @@
+"""Event-driven simulator of PD-disaggregated serving: runs a plan (or a re-planner) on a request trace and
+measures TTFT/TPOT, SLO attainment, goodput, cost and GPU utilisation without GPUs."""
+
+from coral.simulation.availability import AvailabilitySchedule, load_availability
+from coral.simulation.engine import ModelDemand, ObservedDemand, Replanner
+from coral.simulation.metrics import SimResult
+from coral.simulation.run import simulate
+from coral.simulation.traces import RequestSet, load_azure, load_burstgpt, rescale, synthetic, workload_for
+
+__all__ = [
+    "AvailabilitySchedule",
+    "ModelDemand",
+    "ObservedDemand",
+    "Replanner",
+    "RequestSet",
+    "SimResult",
+    "load_availability",
+    "load_azure",
+    "load_burstgpt",
+    "rescale",
+    "simulate",
+    "synthetic",
+    "workload_for",
+]

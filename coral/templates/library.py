@@ -157,7 +157,8 @@ class TemplateLibrary:
         return regions, np.stack([self.costs(prices[r]) for r in regions], axis=1)
 
     def layout(self, i: int) -> tuple[Stage, ...]:
-        stages: list[tuple[list[str], list[float]]] = [([], []) for _ in range(int(self.n_stages[i]))]
+        n_stages = int((self.stage_layers[i] > 0).sum())
+        stages: list[tuple[list[str], list[float]]] = [([], []) for _ in range(n_stages)]
         for slot in range(self.nodes.shape[1]):
             c = int(self.nodes[i, slot])
             if c < 0:

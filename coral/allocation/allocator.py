@@ -1,0 +1,207 @@
+"""The online allocator: integer instance counts per (template, region) at least cost, or, under scarcity, the
+largest served fraction of demand (goodput mode) or the paper's uniform demand scale-down (scaled mode)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+
+from coral.allocation import core, solver
+from coral.allocation.demand import DemandKey, scenario_demand
+from coral.allocation.plan import Plan, SolveReport
+from coral.catalog.loader import Catalog, CoralInputError, builtin_catalog
+from coral.catalog.schema import Scenario
+from coral.perf.model import Phase
+from coral.templates.library import TemplateLibrary
+
+Mode = Literal["cost", "goodput", "scaled"]
+UNLIMITED = "unlimited"
+
+
+class InfeasibleDemand(CoralInputError):
+    """Demand cannot be met under the availability; names the models and (region, config)s that bind."""
+
+    def __init__(self, message: str, models: list[DemandKey], configs: list[tuple[str, str]], fraction: float):
+        super().__init__(message)
+        self.models = models
+        self.configs = configs
+        self.fraction = fraction
+
+
+@dataclass
+class _Context:
+    library: TemplateLibrary
+    scenario: Scenario
+    keys: list[DemandKey]
+    demand: np.ndarray
+    weights: np.ndarray
+    market: core.Market
+    running: dict[tuple[int, str], int]
+    penalty_k: float | None
+    cols: core.Columns
+    reduce: bool
+
+
+def _keys_and_demand(scenario: Scenario, demand: Mapping[DemandKey, float] | None) -> tuple[list[DemandKey], np.ndarray]:
+    base = scenario_demand(scenario) if demand is None else {(m, Phase(p)): float(v) for (m, p), v in demand.items()}
+    for (m, p), v in base.items():
+        if v < 0 or not math.isfinite(v):
+            raise CoralInputError(f"demand[{m}/{p}]: must be a finite number >= 0, not {v}")
+    keys = list(base)
+    return keys, np.array([base[k] for k in keys], dtype=float)
+
+
+def _context(library: TemplateLibrary, scenario: Scenario, demand: Mapping[DemandKey, float] | None,
+             availability: core.Availability | str | None, catalog: Catalog | None,
+             running: Plan | core.Running | None, reduce: bool) -> _Context:
+    catalog = catalog or builtin_catalog()
+    keys, dem = _keys_and_demand(scenario, demand)
+    for m, p in keys:
+        if dem[keys.index((m, p))] > 0 and not len(core.key_rows(library, m, str(p), False)[0]):
+            raise CoralInputError(f"demand: the template library has no templates for {m}/{p}")
+    if availability is None:
+        from coral.allocation.availability import resolve_availability
+
+        availability = resolve_availability(scenario, library, catalog)
+    avail = None if availability == UNLIMITED else availability
+    if isinstance(avail, str):
+        raise CoralInputError(f"availability: expected a mapping or {UNLIMITED!r}, not {avail!r}")
+    market = core.make_market(library, scenario, catalog, avail)
+    run = core.running_counts(running, library)
+    prio = {sm.model: sm.priority for sm in scenario.models}
+    w = np.array([prio.get(m, 1.0) for m, _ in keys], dtype=float)
+    w = w / w.max() if len(w) else w
+    cols = core.make_columns(library, keys, market, dem, run, reduce=reduce)
+    return _Context(library, scenario, keys, dem, w, market, run, scenario.init_penalty_k if running is not None
+                    else None, cols, reduce)
+
+
+def _solve_cost(ctx: _Context, target_scale: float, weights: np.ndarray | None, time_limit: float,
+                gap: float) -> tuple[solver.Outcome, core.Layout]:
+    w = weights if weights is not None else np.ones(len(ctx.demand))
+    problem, layout = core.assemble(ctx.cols, ctx.market, ctx.demand * w, penalty_k=ctx.penalty_k,
+                                    min_fraction=target_scale)
+    x0 = core.greedy(ctx.cols, ctx.market, ctx.demand * w * target_scale)
+    start = None if x0 is None else core.full_start(x0, problem, layout, ctx.cols, ctx.penalty_k)
+    out = solver.solve(problem, time_limit=time_limit, gap=gap, start=start, reduce=ctx.reduce)
+    return out, layout
+
+
+def _solve_maxmin(ctx: _Context, weights: np.ndarray, time_limit: float, gap: float) -> tuple[solver.Outcome, core.Layout, float]:
+    problem, layout = core.assemble(ctx.cols, ctx.market, ctx.demand, penalty_k=None, maxmin_weights=weights)
+    out = solver.solve(problem, time_limit=time_limit, gap=gap, start=np.zeros(problem.n), reduce=ctx.reduce)
+    assert layout.t_col is not None
+    t = float(out.x[layout.t_col]) if out.x is not None else 0.0
+    if out.x is not None:
+        cap = np.bincount(ctx.cols.key, ctx.cols.throughput * np.round(out.x[:layout.n_x]), minlength=len(ctx.demand))
+        pos = (ctx.demand > 0)
+        t = float(min(1.0, (cap[pos] / (ctx.demand[pos] * weights[pos])).min(initial=1.0)))
+    return out, layout, t
+
+
+def _report(ctx: _Context, out: solver.Outcome, extra_time: float = 0.0, notes: list[str] | None = None
+            ) -> SolveReport:
+    pre = [f"{len(ctx.cols)} candidate columns (template, region); {ctx.cols.dropped} removed by dominance and "
+           "availability fit"] if ctx.reduce else []
+    return SolveReport(status=out.status, objective=out.objective, bound=out.bound, gap=out.gap,
+                       time_s=out.time_s + extra_time, n_variables=out.n_cols, n_constraints=out.n_rows,
+                       notes=pre + (notes or []) + out.notes)
+
+
+def _plan(ctx: _Context, out: solver.Outcome, layout: core.Layout, mode: str, report: SolveReport,
+          method: str, scale: float = 1.0) -> Plan:
+    assert out.x is not None
+    x = np.round(out.x[:layout.n_x]).astype(int)
+    chosen = [(int(ctx.cols.template[j]), int(ctx.cols.region[j]), int(x[j])) for j in np.flatnonzero(x > 0)]
+    return core.build_plan(ctx.library, ctx.scenario, ctx.keys, ctx.demand, ctx.market, chosen, method=method,
+                           mode=mode, report=report, running=ctx.running, penalty_k=ctx.penalty_k,
+                           demand_scale=scale)
+
+
+def diagnose(ctx: _Context, out: solver.Outcome, layout: core.Layout, t: float) -> InfeasibleDemand:
+    """Which models and (region, config)s bind: rows with a nonzero multiplier in the max-min LP; when the LP is
+    not short (integrality alone), the models below full service and the configs fully used by the max-min
+    solution."""
+    tol = 1e-9
+    models: list[DemandKey] = []
+    configs: list[tuple[str, str]] = []
+    if out.row_dual is not None:
+        models = [ctx.keys[k] for k, r in layout.demand_rows.items() if out.row_dual[r] > tol]
+        configs = [(ctx.market.regions[r], ctx.market.configs[c])
+                   for i, (r, c) in enumerate(layout.avail_rows) if out.row_dual[len(layout.demand_rows) + i] < -tol]
+    if (not models or not configs) and out.x is not None:
+        x = np.round(out.x[:layout.n_x])
+        cap = np.bincount(ctx.cols.key, ctx.cols.throughput * x, minlength=len(ctx.demand))
+        models = models or [ctx.keys[k] for k in range(len(ctx.keys)) if ctx.demand[k] > 0 and cap[k] < ctx.demand[k]]
+        used = np.zeros_like(ctx.market.avail)
+        np.add.at(used, ctx.cols.region, ctx.cols.counts * x[:, None])
+        configs = configs or [(ctx.market.regions[r], ctx.market.configs[c]) for r, c in zip(
+            *np.nonzero(np.isfinite(ctx.market.avail) & (used >= ctx.market.avail) & (ctx.market.avail > 0)),
+            strict=True)]
+    names = ", ".join(f"{m}/{p}" for m, p in models) or "(none identified)"
+    cfgs = ", ".join(f"{r}:{c}" for r, c in configs) or "(none identified)"
+    msg = (f"demand cannot be met: at most {t:.1%} of every model's demand can be served. Binding models: {names}. "
+           f"Binding node configs: {cfgs}. Use mode 'goodput' or 'scaled', or add availability.")
+    return InfeasibleDemand(msg, models, configs, t)
+
+
+def allocate(
+    library: TemplateLibrary,
+    scenario: Scenario,
+    *,
+    demand: Mapping[DemandKey, float] | None = None,
+    availability: core.Availability | str | None = None,
+    catalog: Catalog | None = None,
+    running: Plan | core.Running | None = None,
+    mode: Mode = "cost",
+    time_limit: float = 30.0,
+    gap: float = 1e-4,
+    reduce: bool = True,
+    scale_step: float = 0.05,
+    method: str = "coral",
+) -> Plan:
+    """Plan instances of `library` templates per region for `demand` (tokens/s per (model, phase); default: the
+    scenario's, see `phase_demand`) under `availability` ({region: {config: nodes}}; None = the scenario's,
+    resolved by `resolve_availability`; "unlimited" = none).
+
+    Modes: "cost" minimises $/h + scale-up penalty and raises `InfeasibleDemand` when demand cannot be met;
+    "goodput" maximises the minimum served fraction t (capacity ≥ t·w·D, w = priority / max priority, t ≤ 1)
+    and then minimises cost at that t; "scaled" scales all demand by the largest multiple of `scale_step` that
+    is feasible (the paper's protocol) and minimises cost there. With `running` (a previous plan or
+    {(template id, region): count}), starting an instance costs K·price extra (K = scenario.init_penalty_k)."""
+    if mode not in ("cost", "goodput", "scaled"):
+        raise CoralInputError(f"mode: must be cost, goodput or scaled, not {mode!r}")
+    if not 0 < scale_step <= 1:
+        raise CoralInputError("scale_step: must be in (0, 1]")
+    ctx = _context(library, scenario, demand, availability, catalog, running, reduce)
+    if mode == "cost":
+        out, layout = _solve_cost(ctx, 1.0, None, time_limit, gap)
+        if out.x is None:
+            mm, mm_layout, t = _solve_maxmin(ctx, np.ones(len(ctx.demand)), time_limit, gap)
+            raise diagnose(ctx, mm, mm_layout, t)
+        return _plan(ctx, out, layout, "cost", _report(ctx, out), method)
+    weights = ctx.weights if mode == "goodput" else np.ones(len(ctx.demand))
+    mm, mm_layout, t = _solve_maxmin(ctx, weights, time_limit / 2, gap)
+    stage1 = f"stage 1 (max-min served fraction): t = {t:.6g}, {mm.status}, {mm.time_s:.3f} s"
+    if mode == "scaled":
+        t = 1.0 if t >= 1 - 1e-9 else math.floor(t / scale_step + 1e-9) * scale_step
+        if t <= 0:
+            raise diagnose(ctx, mm, mm_layout, t)
+        out, layout = _solve_cost(ctx, t, None, time_limit / 2, gap)
+        if out.x is None:
+            raise diagnose(ctx, mm, mm_layout, t)
+        return _plan(ctx, out, layout, "scaled", _report(ctx, out, mm.time_s, [stage1, f"demand scale {t:.4g}"]),
+                     method, scale=t)
+    if t >= 1 - 1e-9 and (weights >= 1).all():
+        out, layout = _solve_cost(ctx, 1.0, None, time_limit / 2, gap)
+    else:
+        if t <= 0:
+            raise diagnose(ctx, mm, mm_layout, t)
+        out, layout = _solve_cost(ctx, t * (1 - 1e-9), weights, time_limit / 2, gap)
+    if out.x is None:
+        raise diagnose(ctx, mm, mm_layout, t)
+    return _plan(ctx, out, layout, "goodput", _report(ctx, out, mm.time_s, [stage1]), method)

@@ -1,0 +1,55 @@
+"""Availability per (region, node config): explicit counts from the scenario, or derived from demand.
+
+Headroom mode ({mode: headroom, factor: f}). The *estimated demand* E_c of node config c is the number of c
+nodes in the cost-optimal plan with unlimited availability (the nodes the cheapest plan would want). The market
+then offers f·E_c nodes of c in total, spread evenly over the regions of the scenario that sell c:
+
+    A[r][c] = ceil(f · E_c / |R_c|)   for r in R_c (regions offering c),   0 elsewhere and for unused configs.
+
+So f = 1.25 leaves 25% headroom on the cheapest plan's shapes, and spreading over regions forces a scarce plan
+to use dearer regions or other shapes. The built-in "scarce" experiments use f = 1.25 (core) and 1.75
+(extended); the default scenarios use f = 3.
+"""
+
+from __future__ import annotations
+
+import math
+
+from coral.catalog.loader import Catalog, builtin_catalog
+from coral.catalog.schema import Scenario
+from coral.templates.library import TemplateLibrary
+
+
+def estimated_nodes(scenario: Scenario, library: TemplateLibrary, catalog: Catalog | None = None) -> dict[str, int]:
+    """Nodes per config in the cost-optimal plan with unlimited availability (E_c above)."""
+    from coral.allocation.allocator import UNLIMITED, allocate
+
+    plan = allocate(library, scenario, availability=UNLIMITED, catalog=catalog, time_limit=30.0, gap=1e-6)
+    out: dict[str, int] = {}
+    for inst in plan.instances:
+        for cfg, n in inst.counts.items():
+            out[cfg] = out.get(cfg, 0) + n
+    return out
+
+
+def headroom_availability(scenario: Scenario, estimate: dict[str, int], factor: float,
+                          catalog: Catalog | None = None) -> dict[str, dict[str, int]]:
+    """A[r][c] = ceil(factor · E_c / |R_c|) over the regions R_c offering c."""
+    catalog = catalog or builtin_catalog()
+    offered = {r: catalog.prices(r) for r in scenario.regions}
+    out: dict[str, dict[str, int]] = {r: {} for r in scenario.regions}
+    for cfg in scenario.configs:
+        sellers = [r for r in scenario.regions if cfg in offered[r]]
+        for r in sellers:
+            out[r][cfg] = math.ceil(factor * estimate.get(cfg, 0) / len(sellers) - 1e-9)
+    return out
+
+
+def resolve_availability(scenario: Scenario, library: TemplateLibrary, catalog: Catalog | None = None,
+                         factor: float | None = None) -> dict[str, dict[str, int]]:
+    """Node counts per region and config: the scenario's explicit table, or the headroom rule (module doc).
+    `factor` overrides the scenario's headroom factor (and forces headroom mode)."""
+    if factor is None and isinstance(scenario.availability, dict):
+        return {r: dict(scenario.availability.get(r, {})) for r in scenario.regions}
+    f = factor if factor is not None else scenario.availability.factor  # type: ignore[union-attr]
+    return headroom_availability(scenario, estimated_nodes(scenario, library, catalog), f, catalog)

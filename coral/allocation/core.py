@@ -1,0 +1,392 @@
+"""Shared machinery of the allocator and the baselines: the market (prices, availability), candidate columns
+(template, region), the MILP assembly, a greedy warm start and turning a solution into a `Plan`."""
+
+from __future__ import annotations
+
+import math
+import weakref
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+import numpy as np
+
+from coral.allocation.demand import DemandKey
+from coral.allocation.plan import ModelServing, Plan, PlanInstance, PlanStage, SolveReport
+from coral.allocation.reductions import undominated
+from coral.allocation.solver import Problem
+from coral.catalog.loader import Catalog, CoralInputError
+from coral.catalog.schema import Scenario
+from coral.perf.model import Phase
+from coral.templates.library import TemplateLibrary
+
+Availability = Mapping[str, Mapping[str, int]]
+_KEY_ROWS: dict[int, dict[tuple[str, str, bool], tuple[np.ndarray, np.ndarray]]] = {}
+Running = Mapping[tuple[int, str], int]
+GREEDY_PER_GROUP = 64
+
+
+@dataclass
+class Market:
+    """Regions × library configs: $/node-hour (inf where not offered or not a scenario config) and node counts
+    available (inf = unlimited)."""
+
+    regions: list[str]
+    configs: list[str]
+    price: np.ndarray
+    avail: np.ndarray
+
+
+def make_market(library: TemplateLibrary, scenario: Scenario, catalog: Catalog,
+                availability: Availability | None) -> Market:
+    regions = list(scenario.regions)
+    price = np.full((len(regions), len(library.configs)), np.inf)
+    avail = np.full_like(price, np.inf)
+    for r, region in enumerate(regions):
+        offered = catalog.prices(region)
+        for c, cfg in enumerate(library.configs):
+            if cfg in scenario.configs and cfg in offered:
+                price[r, c] = offered[cfg]
+        if availability is not None:
+            given = availability.get(region, {})
+            for cfg, n in given.items():
+                if cfg not in library.configs:
+                    raise CoralInputError(f"availability.{region}: config {cfg!r} is not in the template library")
+                if n < 0:
+                    raise CoralInputError(f"availability.{region}.{cfg}: count must be >= 0")
+            avail[r] = [float(given.get(cfg, 0)) for cfg in library.configs]
+    for region in (availability or {}):
+        if region not in regions:
+            raise CoralInputError(f"availability: region {region!r} is not in the scenario's regions")
+    return Market(regions, list(library.configs), price, avail)
+
+
+@dataclass
+class Columns:
+    """Candidate (template, region) pairs with what the MILP needs of each."""
+
+    template: np.ndarray
+    region: np.ndarray
+    key: np.ndarray
+    throughput: np.ndarray
+    cost: np.ndarray
+    counts: np.ndarray
+    running: np.ndarray
+    upper: np.ndarray
+    dropped: int = 0
+
+    def __len__(self) -> int:
+        return len(self.template)
+
+
+def running_counts(running: Plan | Running | None, library: TemplateLibrary) -> dict[tuple[int, str], int]:
+    """Running instances per (template id, region), from a previous plan or a mapping."""
+    if running is None:
+        return {}
+    if isinstance(running, Plan):
+        out: dict[tuple[int, str], int] = {}
+        for inst in running.instances:
+            key = (inst.template_id, inst.region)
+            out[key] = out.get(key, 0) + 1
+            if inst.template_id >= len(library) or library.model[inst.template_id] != inst.model \
+                    or library.phase[inst.template_id] != inst.phase:
+                raise CoralInputError(f"running: instance {inst.id} does not match template {inst.template_id} "
+                                      "of this library (re-plan with the library it was made from)")
+        return out
+    return {(int(t), str(r)): int(n) for (t, r), n in running.items() if n > 0}
+
+
+def key_rows(library: TemplateLibrary, model: str, phase: str, homogeneous: bool) -> tuple[np.ndarray, np.ndarray]:
+    """(usable rows, undominated rows) of one (model, phase): positive throughput, single-config when
+    `homogeneous`. Memoised per library object: neither depends on demand, prices or availability."""
+    cache = _KEY_ROWS.get(id(library))
+    if cache is None:
+        cache = _KEY_ROWS[id(library)] = {}
+        weakref.finalize(library, _KEY_ROWS.pop, id(library), None)
+    key = (model, phase, homogeneous)
+    if key not in cache:
+        rows = library.select(model, phase)
+        rows = rows[library.throughput[rows] > 0]
+        if homogeneous:
+            rows = rows[(library.counts[rows] > 0).sum(axis=1) == 1]
+        cache[key] = (rows, rows[undominated(library.counts[rows], library.throughput[rows])])
+    return cache[key]
+
+
+def make_columns(
+    library: TemplateLibrary,
+    keys: list[DemandKey],
+    market: Market,
+    demand: np.ndarray,
+    running: dict[tuple[int, str], int],
+    *,
+    reduce: bool = True,
+    homogeneous: bool = False,
+) -> Columns:
+    """Columns for every key with positive demand. With `reduce`, dominated templates (see reductions) and
+    columns that cannot be used once are dropped; running columns are always kept. `homogeneous` keeps only
+    single-config templates (the baselines)."""
+    region_idx = {r: i for i, r in enumerate(market.regions)}
+    run_pairs: dict[int, set[int]] = {}
+    for (t, reg_name), _n in running.items():
+        if reg_name not in region_idx:
+            raise CoralInputError(f"running: region {reg_name!r} is not in the scenario's regions")
+        run_pairs.setdefault(t, set()).add(region_idx[reg_name])
+    parts: list[tuple[np.ndarray, np.ndarray, int]] = []
+    total = 0
+    for k, (model, phase_) in enumerate(keys):
+        if demand[k] <= 0:
+            continue
+        usable, kept = key_rows(library, model, str(phase_), homogeneous)
+        total += len(usable) * len(market.regions)
+        rows = usable
+        if reduce:
+            ran = np.array(sorted(t for t in run_pairs if library.model[t] == model and library.phase[t] == phase_
+                                  and library.throughput[t] > 0), dtype=np.int64)
+            rows = np.union1d(kept, ran) if len(ran) else kept
+        for r in range(len(market.regions)):
+            offered = ((library.counts[rows] > 0) <= np.isfinite(market.price[r])).all(axis=1)
+            ok = offered
+            if reduce:
+                fits = (library.counts[rows] <= market.avail[r]).all(axis=1)
+                ok = offered & fits
+            if run_pairs:
+                ok |= np.isin(rows, [t for t, regs in run_pairs.items() if r in regs]) & offered
+            sel = rows[ok]
+            parts.append((sel, np.full(len(sel), r), k))
+    template = np.concatenate([q[0] for q in parts]) if parts else np.zeros(0, dtype=np.int64)
+    region = np.concatenate([q[1] for q in parts]) if parts else np.zeros(0, dtype=np.int64)
+    key = np.concatenate([np.full(len(q[0]), q[2]) for q in parts]) if parts else np.zeros(0, dtype=np.int64)
+    counts = library.counts[template].astype(np.int64)
+    price = np.where(np.isfinite(market.price), market.price, 0.0)
+    cost = (counts * price[region]).sum(axis=1)
+    thr = library.throughput[template].astype(float)
+    run = np.zeros(len(template))
+    for (t, reg), n in running.items():
+        run[(template == t) & (region == region_idx[reg])] = n
+    with np.errstate(divide="ignore", invalid="ignore"):
+        cap = np.where(counts > 0, np.floor(market.avail[region] / np.maximum(counts, 1)), np.inf).min(axis=1)
+    need = np.ceil(demand[key] / thr - 1e-9) if len(key) else np.zeros(0)
+    upper = np.minimum(cap, need)
+    return Columns(template, region, key, thr, cost, counts, run, upper, dropped=total - len(template))
+
+
+@dataclass
+class Layout:
+    """Where each kind of variable sits in a Problem."""
+
+    n_x: int
+    penalty_of: np.ndarray  # column index of I_j for every running x column j
+    t_col: int | None
+    demand_rows: dict[int, int]
+    avail_rows: list[tuple[int, int]]
+    n_vars: int
+
+
+def assemble(
+    cols: Columns,
+    market: Market,
+    demand: np.ndarray,
+    *,
+    penalty_k: float | None,
+    maxmin_weights: np.ndarray | None = None,
+    min_fraction: float | None = None,
+) -> tuple[Problem, Layout]:
+    """The MILP of `cols`. Cost objective unless `maxmin_weights` is given (then max t with capacity ≥ t·w·D).
+    `min_fraction` requires capacity ≥ min_fraction·w·D in the cost objective (the goodput mode's second
+    stage); `penalty_k` None disables the scale-up penalty."""
+    n = len(cols)
+    maxmin = maxmin_weights is not None
+    weights = maxmin_weights if maxmin_weights is not None else np.ones(len(demand))
+    k_pen = penalty_k or 0.0
+    running = np.flatnonzero(cols.running > 0) if k_pen > 0 and not maxmin else np.zeros(0, dtype=np.int64)
+    n_pen = len(running)
+    keys = [k for k in range(len(demand)) if demand[k] > 0]
+    t_col = n + n_pen if maxmin else None
+    n_slack = 0 if maxmin else len(keys)
+    n_vars = n + n_pen + (1 if maxmin else 0) + n_slack
+    er: list[np.ndarray] = []
+    ec: list[np.ndarray] = []
+    ev: list[np.ndarray] = []
+    lower: list[float] = []
+    upper: list[float] = []
+    demand_rows: dict[int, int] = {}
+    target = demand * weights * (min_fraction if min_fraction is not None else 1.0)
+    big = 1e6 * float(max((cols.cost / cols.throughput).max(initial=1.0), 1.0))
+    for i, k in enumerate(keys):
+        r = len(lower)
+        demand_rows[k] = r
+        members = np.flatnonzero(cols.key == k)
+        er.append(np.full(len(members), r))
+        ec.append(members)
+        ev.append(cols.throughput[members])
+        if maxmin:
+            er.append(np.array([r]))
+            ec.append(np.array([t_col]))
+            ev.append(np.array([-demand[k] * weights[k]]))
+            lower.append(0.0)
+        else:
+            er.append(np.array([r]))
+            ec.append(np.array([n + n_pen + i]))
+            ev.append(np.array([1.0]))
+            lower.append(float(target[k]))
+        upper.append(np.inf)
+    avail_rows: list[tuple[int, int]] = []
+    use = np.zeros_like(market.avail)
+    if n:
+        np.add.at(use, cols.region, cols.counts * np.where(np.isfinite(cols.upper), cols.upper, 1e9)[:, None])
+    for r in range(len(market.regions)):
+        for c in range(len(market.configs)):
+            if np.isfinite(market.avail[r, c]) and use[r, c] > market.avail[r, c]:
+                members = np.flatnonzero((cols.region == r) & (cols.counts[:, c] > 0))
+                row = len(lower)
+                avail_rows.append((r, c))
+                er.append(np.full(len(members), row))
+                ec.append(members)
+                ev.append(cols.counts[members, c].astype(float))
+                lower.append(-np.inf)
+                upper.append(float(market.avail[r, c]))
+    for i, j in enumerate(running):
+        row = len(lower)
+        kc = k_pen * cols.cost[j]
+        er.append(np.array([row, row]))
+        ec.append(np.array([n + i, j]))
+        ev.append(np.array([1.0, -kc]))
+        lower.append(-kc * cols.running[j])
+        upper.append(np.inf)
+    cost = np.zeros(n_vars)
+    ub = np.zeros(n_vars)
+    integer = np.zeros(n_vars, dtype=bool)
+    protected = np.zeros(n_vars, dtype=bool)
+    artificial = np.zeros(n_vars, dtype=bool)
+    group = np.full(n_vars, -1, dtype=np.int64)
+    score = np.zeros(n_vars)
+    ub[:n] = np.where(np.isfinite(cols.upper), cols.upper, 1e9)
+    integer[:n] = True
+    group[:n] = cols.key * len(market.regions) + cols.region
+    score[:n] = cols.throughput / np.maximum(cols.cost, 1e-12)
+    protected[running] = True
+    if not maxmin:
+        cost[:n] = cols.cost * np.where(cols.running > 0, 1.0, 1.0 + k_pen)
+        cost[n:n + n_pen] = 1.0
+        ub[n:n + n_pen] = k_pen * cols.cost[running] * ub[running]
+        protected[n:n + n_pen] = True
+        for i, k in enumerate(keys):
+            s = n + n_pen + i
+            cost[s], ub[s], artificial[s] = big, float(target[k]), True
+    else:
+        assert t_col is not None
+        cost[t_col], ub[t_col], protected[t_col] = -1.0, 1.0, True
+    entry_row = np.concatenate(er) if er else np.zeros(0, dtype=np.int64)
+    entry_col = np.concatenate(ec) if ec else np.zeros(0, dtype=np.int64)
+    entry_val = np.concatenate(ev) if ev else np.zeros(0)
+    problem = Problem(cost, ub, integer, entry_row.astype(np.int64), entry_col.astype(np.int64), entry_val,
+                      np.array(lower), np.array(upper), protected, score, group, artificial)
+    pen_of = np.full(n, -1, dtype=np.int64)
+    pen_of[running] = n + np.arange(n_pen)
+    return problem, Layout(n, pen_of, t_col, demand_rows, avail_rows, n_vars)
+
+
+def greedy(cols: Columns, market: Market, target: np.ndarray, order: list[int] | None = None,
+           partial: bool = False) -> np.ndarray | None:
+    """A feasible instance vector meeting `target` per key, or None: keep what runs (while it fits), then, key by
+    key (largest demand first unless `order`), add the instance with the least $ per useful token/s
+    (cost / min(throughput, residual)) until demand is met. `partial` keeps going when a key cannot be met."""
+    x = np.zeros(len(cols))
+    used = np.zeros_like(market.avail)
+    for j in np.flatnonzero(cols.running > 0):
+        for _ in range(int(min(cols.running[j], cols.upper[j]))):
+            if (used[cols.region[j]] + cols.counts[j] <= market.avail[cols.region[j]]).all():
+                x[j] += 1
+                used[cols.region[j]] += cols.counts[j]
+    group = cols.key * len(market.regions) + cols.region
+    by_eff = np.lexsort((-cols.throughput / np.maximum(cols.cost, 1e-12), group))
+    g = group[by_eff]
+    rank = np.arange(len(g)) - np.searchsorted(g, g)
+    short = np.zeros(len(cols), dtype=bool)
+    short[by_eff[rank < GREEDY_PER_GROUP]] = True
+    short |= cols.running > 0
+    for k in (np.argsort(-target) if order is None else order):
+        residual = target[k] - float(cols.throughput[cols.key == k] @ x[cols.key == k])
+        idx = np.flatnonzero((cols.key == k) & short)
+        while residual > 1e-9 * max(1.0, target[k]):
+            fits = (used[cols.region[idx]] + cols.counts[idx] <= market.avail[cols.region[idx]]).all(axis=1)
+            fits &= x[idx] < cols.upper[idx]
+            if not fits.any():
+                if partial:
+                    break
+                return None
+            score = np.where(fits, cols.cost[idx] / np.minimum(cols.throughput[idx], residual), np.inf)
+            j = idx[int(np.argmin(score))]
+            x[j] += 1
+            used[cols.region[j]] += cols.counts[j]
+            residual -= cols.throughput[j]
+    return x
+
+
+def full_start(x: np.ndarray, problem: Problem, layout: Layout, cols: Columns, penalty_k: float | None) -> np.ndarray:
+    """Extend an instance vector to all variables of `problem` (penalties at their minimum, no slack)."""
+    v = np.zeros(problem.n)
+    v[:layout.n_x] = x
+    run = np.flatnonzero(layout.penalty_of >= 0)
+    v[layout.penalty_of[run]] = (penalty_k or 0.0) * cols.cost[run] * np.maximum(0.0, x[run] - cols.running[run])
+    return v
+
+
+def build_plan(
+    library: TemplateLibrary,
+    scenario: Scenario,
+    keys: list[DemandKey],
+    demand: np.ndarray,
+    market: Market,
+    chosen: list[tuple[int, int, int]],
+    *,
+    method: str,
+    mode: str,
+    report: SolveReport,
+    running: dict[tuple[int, str], int],
+    penalty_k: float | None,
+    demand_scale: float = 1.0,
+) -> Plan:
+    """A Plan from (template id, region index, count) triples. `demand` is what each key asked for."""
+    instances: list[PlanInstance] = []
+    cap = dict.fromkeys(keys, 0.0)
+    key_cost = dict.fromkeys(keys, 0.0)
+    penalty = 0.0
+    ids = sorted({t for t, _, _ in chosen})
+    sub = library.subset(np.array(ids, dtype=np.int64))  # template() scans the whole library; a subset does not
+    templates = {t: sub.template(i) for i, t in enumerate(ids)}
+    for t, r, count in sorted(chosen):
+        region = market.regions[r]
+        tpl = templates[t]
+        prices = {c: float(market.price[r, i]) for i, c in enumerate(market.configs) if np.isfinite(market.price[r, i])}
+        cost = tpl.cost(prices)
+        if not math.isfinite(cost):
+            raise CoralInputError(f"template {t} uses a config not offered in {region}")
+        stages, first = [], 0
+        for st in tpl.stages:
+            stages.append(PlanStage(first_layer=first, layers=st.layers, nodes=list(st.nodes),
+                                    node_throughput=list(st.node_throughput)))
+            first += st.layers
+        for i in range(count):
+            instances.append(PlanInstance(
+                id=f"{tpl.model}.{tpl.phase}.t{t}.{region}.{i}", model=tpl.model, phase=str(tpl.phase),  # type: ignore[arg-type]
+                template_id=t, region=region, counts=dict(tpl.counts), stages=stages,
+                throughput=tpl.throughput, cost_per_hour=cost,
+            ))
+        key = (tpl.model, Phase(tpl.phase))
+        cap[key] = cap.get(key, 0.0) + count * tpl.throughput
+        key_cost[key] = key_cost.get(key, 0.0) + count * cost
+        penalty += (penalty_k or 0.0) * cost * max(0, count - running.get((t, region), 0))
+    serving = []
+    for k, key in enumerate(keys):
+        d = float(demand[k])
+        frac = 1.0 if d <= 0 else min(1.0, cap[key] / d)
+        serving.append(ModelServing(model=key[0], phase=str(key[1]), demand=d, capacity=cap[key],  # type: ignore[arg-type]
+                                    served_fraction=frac, cost_per_hour=key_cost[key]))
+    return Plan(
+        scenario=scenario.name, method=method, mode=mode, demand_scale=demand_scale,  # type: ignore[arg-type]
+        instances=instances, serving=serving, cost_per_hour=float(sum(i.cost_per_hour for i in instances)),
+        penalty_per_hour=penalty, solve=report,
+        created_at=datetime.now(UTC).isoformat(timespec="seconds"),
+    )

@@ -1,0 +1,135 @@
+"""A thin HiGHS wrapper: a sparse (column-wise) MILP in, status/objective/bound/gap/solution out."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import highspy
+import numpy as np
+
+
+@dataclass
+class SparseRows:
+    """Constraint rows collected as COO triplets, turned into a CSC matrix for HiGHS."""
+
+    n_cols: int
+    rows: list[np.ndarray] = field(default_factory=list)
+    cols: list[np.ndarray] = field(default_factory=list)
+    vals: list[np.ndarray] = field(default_factory=list)
+    lower: list[float] = field(default_factory=list)
+    upper: list[float] = field(default_factory=list)
+
+    @property
+    def n_rows(self) -> int:
+        return len(self.lower)
+
+    def add(self, cols: np.ndarray, vals: np.ndarray, lower: float, upper: float) -> int:
+        """Append one row sum(vals · x[cols]) in [lower, upper]; returns its index."""
+        r = self.n_rows
+        self.rows.append(np.full(len(cols), r, dtype=np.int64))
+        self.cols.append(np.asarray(cols, dtype=np.int64))
+        self.vals.append(np.asarray(vals, dtype=float))
+        self.lower.append(lower)
+        self.upper.append(upper)
+        return r
+
+    def add_many(self, rows: np.ndarray, cols: np.ndarray, vals: np.ndarray, lower: np.ndarray,
+                 upper: np.ndarray) -> None:
+        """Append len(lower) rows given as triplets with row numbers local to this batch."""
+        base = self.n_rows
+        self.rows.append(np.asarray(rows, dtype=np.int64) + base)
+        self.cols.append(np.asarray(cols, dtype=np.int64))
+        self.vals.append(np.asarray(vals, dtype=float))
+        self.lower.extend(np.asarray(lower, dtype=float).tolist())
+        self.upper.extend(np.asarray(upper, dtype=float).tolist())
+
+    def csc(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        r = np.concatenate(self.rows) if self.rows else np.zeros(0, dtype=np.int64)
+        c = np.concatenate(self.cols) if self.cols else np.zeros(0, dtype=np.int64)
+        v = np.concatenate(self.vals) if self.vals else np.zeros(0)
+        keep = v != 0
+        r, c, v = r[keep], c[keep], v[keep]
+        order = np.lexsort((r, c))
+        r, c, v = r[order], c[order], v[order]
+        start = np.searchsorted(c, np.arange(self.n_cols + 1)).astype(np.int32)
+        return start, r.astype(np.int32), v
+
+
+@dataclass
+class MilpResult:
+    status: str
+    x: np.ndarray | None
+    objective: float | None
+    bound: float | None
+    gap: float | None
+    time_s: float
+    n_cols: int
+    n_rows: int
+    row_dual: np.ndarray | None = None
+
+
+def solve(
+    cost: np.ndarray,
+    lower: np.ndarray,
+    upper: np.ndarray,
+    integer: np.ndarray,
+    rows: SparseRows,
+    *,
+    maximise: bool = False,
+    time_limit: float = 30.0,
+    gap: float = 1e-4,
+    start: np.ndarray | None = None,
+    cutoff: float | None = None,
+    relax: bool = False,
+) -> MilpResult:
+    """Solve min/max cost·x over rows and bounds; the best incumbent is returned on a time limit. `relax` drops
+    integrality (then `row_dual` is filled). `start` is a feasible warm start of a minimisation, passed as an
+    objective cutoff (HiGHS 1.16's setSolution returned the start vector with another solution's objective
+    on large models here) and returned when nothing better exists."""
+    t0 = time.perf_counter()
+    n = len(cost)
+    lp = highspy.HighsLp()
+    lp.num_col_ = n
+    lp.num_row_ = rows.n_rows
+    lp.col_cost_ = np.asarray(cost, dtype=float)
+    lp.col_lower_ = np.asarray(lower, dtype=float)
+    lp.col_upper_ = np.asarray(upper, dtype=float)
+    lp.row_lower_ = np.array(rows.lower, dtype=float)
+    lp.row_upper_ = np.array(rows.upper, dtype=float)
+    start_idx, index, value = rows.csc()
+    lp.a_matrix_.format_ = highspy.MatrixFormat.kColwise
+    lp.a_matrix_.start_ = start_idx
+    lp.a_matrix_.index_ = index
+    lp.a_matrix_.value_ = value
+    lp.sense_ = highspy.ObjSense.kMaximize if maximise else highspy.ObjSense.kMinimize
+    if not relax and integer.any():
+        lp.integrality_ = [highspy.HighsVarType.kInteger if b else highspy.HighsVarType.kContinuous for b in integer]
+    h = highspy.Highs()
+    h.setOptionValue("output_flag", False)
+    h.setOptionValue("time_limit", float(max(time_limit, 0.01)))
+    h.setOptionValue("mip_rel_gap", float(gap))
+    start_obj = float(np.dot(cost, start)) if start is not None and not relax else None
+    if start_obj is not None:
+        cutoff = start_obj + 1e-9 * max(1.0, abs(start_obj)) if cutoff is None else min(cutoff, start_obj)
+    if cutoff is not None and not relax:
+        h.setOptionValue("objective_bound", float(cutoff))
+    h.passModel(lp)
+    h.run()
+    status = h.modelStatusToString(h.getModelStatus())
+    info = h.getInfo()
+    solution = h.getSolution()
+    has_x = bool(solution.value_valid) and info.primal_solution_status == 2
+    x = np.array(solution.col_value) if has_x else None
+    mip = not relax and integer.any()
+    objective = float(info.objective_function_value) if has_x else None
+    bound = float(info.mip_dual_bound) if mip else objective
+    mip_gap = float(info.mip_gap) if mip and has_x else (0.0 if has_x else None)
+    duals = np.array(solution.row_dual) if relax and solution.dual_valid else None
+    if x is None and start is not None:
+        # nothing better than the warm start exists (infeasible under the cutoff) or was found in time
+        x, objective = np.asarray(start, dtype=float), start_obj
+        bound = start_obj if status == "Infeasible" else min(float(info.mip_dual_bound), start_obj or 0.0)
+        status = "Optimal" if status == "Infeasible" else status
+        mip_gap = max(0.0, ((objective or 0.0) - (bound or 0.0)) / max(abs(objective or 0.0), 1e-9))
+    return MilpResult(status, x, objective, bound, mip_gap, time.perf_counter() - t0, n, rows.n_rows, duals)

@@ -1,0 +1,302 @@
+"""The allocation MILP: columns (template, region), demand and availability rows, scale-up penalty, and a
+three-step solve (LP by column generation → incumbent on a restricted column set → exact MIP on the columns that
+survive reduced-cost fixing).
+
+Model (cost mode). x_j ∈ Z≥0 instances of column j = (template, region), c_j its $/h, T_j its tokens/s:
+    min  Σ_j c_j x_j + Σ_j I_j
+    s.t. Σ_{j ∈ key} T_j x_j ≥ D_key                       every (model, phase) with demand
+         Σ_j n_{jc} x_j ≤ A_{rc}  over j in region r       every (region, config)
+         I_j ≥ K c_j (x_j − ν_j),  I_j ≥ 0                  scale-up penalty against the running ν
+For a column that is not running (ν_j = 0) the penalty is exactly K c_j x_j and is folded into its cost, so I_j
+exists only for running columns; scale-down (x_j < ν_j) is free.
+
+Reduced-cost fixing (lossless). For any multipliers y of the rows with the right signs and reduced costs
+r = c − Aᵀy, every feasible x satisfies c·x ≥ z(y) + Σ_{r_j>0} r_j x_j with z(y) = Σ_i y_i b_i + Σ_{r_j<0} r_j u_j.
+Hence a column with z(y) + r_j > UB (UB = any incumbent's objective) is zero in every solution at least as good
+as the incumbent, and dropping it keeps the optimum. y comes from the LP relaxation solved by column generation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from coral.allocation import milp
+
+
+@dataclass
+class Problem:
+    """min cost·x over rows L ≤ A x ≤ U and 0 ≤ x ≤ upper, with A given as COO entries sorted by column."""
+
+    cost: np.ndarray
+    upper: np.ndarray
+    integer: np.ndarray
+    entry_row: np.ndarray
+    entry_col: np.ndarray
+    entry_val: np.ndarray
+    row_lower: np.ndarray
+    row_upper: np.ndarray
+    protected: np.ndarray  # columns never removed by fixing (running, penalty, t)
+    score: np.ndarray  # higher = better column to seed the restricted problems with
+    group: np.ndarray  # seed group of each column (-1: always seeded)
+    artificial: np.ndarray  # LP-only slack columns (demand shortfall at a prohibitive cost)
+
+    @property
+    def n(self) -> int:
+        return len(self.cost)
+
+    def rows(self, cols: np.ndarray) -> milp.SparseRows:
+        """Constraint rows restricted to `cols` (renumbered in the given order)."""
+        pos = np.full(self.n, -1, dtype=np.int64)
+        pos[cols] = np.arange(len(cols))
+        keep = pos[self.entry_col] >= 0
+        rows = milp.SparseRows(len(cols))
+        rows.add_many(self.entry_row[keep], pos[self.entry_col[keep]], self.entry_val[keep],
+                      self.row_lower, self.row_upper)
+        return rows
+
+    def reduced_costs(self, y: np.ndarray) -> np.ndarray:
+        return self.cost - np.bincount(self.entry_col, self.entry_val * y[self.entry_row], minlength=self.n)
+
+    def lagrangian_bound(self, y: np.ndarray, rc: np.ndarray) -> float:
+        """z(y) over the real (non-artificial) columns."""
+        rows = np.where(y > 0, y * np.where(np.isfinite(self.row_lower), self.row_lower, 0.0),
+                        y * np.where(np.isfinite(self.row_upper), self.row_upper, 0.0))
+        neg = (rc < 0) & ~self.artificial
+        return float(rows.sum() + (rc[neg] * self.upper[neg]).sum())
+
+    def violation(self, x: np.ndarray) -> float:
+        ax = np.bincount(self.entry_row, self.entry_val * x[self.entry_col], minlength=len(self.row_lower))
+        scale = np.maximum(1.0, np.abs(np.where(np.isfinite(self.row_lower), self.row_lower, 0.0)))
+        low = np.where(np.isfinite(self.row_lower), self.row_lower - ax, 0.0) / scale
+        high = np.where(np.isfinite(self.row_upper), ax - self.row_upper, 0.0) / scale
+        return float(max(low.max(initial=0.0), high.max(initial=0.0), (x - self.upper).max(initial=0.0)))
+
+
+@dataclass
+class Outcome:
+    status: str
+    x: np.ndarray | None
+    objective: float | None
+    bound: float | None
+    gap: float | None
+    time_s: float
+    n_cols: int
+    n_rows: int
+    notes: list[str] = field(default_factory=list)
+    lp_bound: float | None = None
+    row_dual: np.ndarray | None = None
+
+
+SEED_PER_GROUP = 8
+PRICE_BATCH = 400
+
+
+def _seed(p: Problem, start: np.ndarray | None) -> np.ndarray:
+    """Always-seeded columns, the best SEED_PER_GROUP of every group by score, and the warm start's support."""
+    sel = np.zeros(p.n, dtype=bool)
+    sel[p.group < 0] = True
+    order = np.lexsort((-p.score, p.group))
+    g = p.group[order]
+    first = np.searchsorted(g, g)
+    rank = np.arange(len(g)) - first
+    sel[order[(rank < SEED_PER_GROUP) & (g >= 0)]] = True
+    if start is not None:
+        sel |= start > 0
+    return np.flatnonzero(sel)
+
+
+def _lp(p: Problem, cols: np.ndarray, time_limit: float) -> tuple[milp.MilpResult, np.ndarray, np.ndarray]:
+    """LP over all columns by column generation from `cols`; returns the LP, its columns and row duals."""
+    cols = np.sort(cols)
+    while True:
+        res = milp.solve(p.cost[cols], np.zeros(len(cols)), p.upper[cols], p.integer[cols], p.rows(cols),
+                         time_limit=time_limit, relax=True)
+        if res.row_dual is None or res.x is None:
+            return res, cols, np.zeros(len(p.row_lower))
+        y = _signed(p, res.row_dual)
+        rc = p.reduced_costs(y)
+        rc[cols] = 0.0
+        tol = 1e-9 * max(1.0, float(np.abs(p.cost).max(initial=1.0)))
+        cand = np.flatnonzero(rc < -tol)
+        if not len(cand):
+            return res, cols, y
+        add = cand[np.argsort(rc[cand])[:PRICE_BATCH]]
+        cols = np.union1d(cols, add)
+
+
+def _signed(p: Problem, dual: np.ndarray) -> np.ndarray:
+    """Row multipliers with the signs that make the Lagrangian bound valid (≥ rows: y ≥ 0, ≤ rows: y ≤ 0)."""
+    y = np.asarray(dual, dtype=float).copy()
+    y[~np.isfinite(p.row_lower) & (y > 0)] = 0.0
+    y[~np.isfinite(p.row_upper) & (y < 0)] = 0.0
+    return y
+
+
+def components(p: Problem) -> np.ndarray:
+    """Component label of every column: columns sharing a row are in one component."""
+    label = np.arange(p.n)
+    order = np.argsort(p.entry_row, kind="stable")
+    rows, cols = p.entry_row[order], p.entry_col[order]
+    bounds = np.searchsorted(rows, np.arange(len(p.row_lower) + 1))
+    changed = True
+    while changed:
+        changed = False
+        for r in range(len(p.row_lower)):
+            members = cols[bounds[r]:bounds[r + 1]]
+            if len(members) < 2:
+                continue
+            roots = label[members]
+            low = roots.min()
+            if (roots != low).any():
+                label[np.isin(label, roots)] = low
+                changed = True
+    return label
+
+
+def subproblem(p: Problem, cols: np.ndarray) -> tuple[Problem, np.ndarray]:
+    """The problem over `cols` and the rows touching them (returned as the second item)."""
+    pos = np.full(p.n, -1, dtype=np.int64)
+    pos[cols] = np.arange(len(cols))
+    keep = pos[p.entry_col] >= 0
+    rows = np.unique(p.entry_row[keep])
+    rpos = np.full(len(p.row_lower), -1, dtype=np.int64)
+    rpos[rows] = np.arange(len(rows))
+    sub = Problem(p.cost[cols], p.upper[cols], p.integer[cols], rpos[p.entry_row[keep]], pos[p.entry_col[keep]],
+                  p.entry_val[keep], p.row_lower[rows], p.row_upper[rows], p.protected[cols], p.score[cols],
+                  p.group[cols], p.artificial[cols])
+    return sub, rows
+
+
+def solve(
+    p: Problem,
+    *,
+    time_limit: float = 30.0,
+    gap: float = 1e-4,
+    start: np.ndarray | None = None,
+    reduce: bool = True,
+) -> Outcome:
+    """Solve `p` to `gap` within `time_limit` (best incumbent on timeout). `start` is a feasible warm start.
+    With `reduce`, independent blocks (no shared row, e.g. models that share no scarce config) are solved
+    separately, each with the reductions of `solve_block`."""
+    import time
+
+    if not reduce:
+        return solve_block(p, time_limit=time_limit, gap=gap, start=start, reduce=False)
+    t0 = time.perf_counter()
+    label = components(p)
+    blocks = [np.flatnonzero(label == v) for v in np.unique(label)]
+    rowless = [b for b in blocks if not np.isin(b, p.entry_col).any()]
+    blocks = [b for b in blocks if np.isin(b, p.entry_col).any()]
+    if len(blocks) <= 1 and not rowless:
+        return solve_block(p, time_limit=time_limit, gap=gap, start=start)
+    x = np.zeros(p.n)
+    y = np.zeros(len(p.row_lower))
+    objective, bound, lp_bound, statuses, n_cols, n_rows = 0.0, 0.0, 0.0, [], 0, 0
+    for b in blocks:
+        sub, rows = subproblem(p, b)
+        left = time_limit - (time.perf_counter() - t0)
+        out = solve_block(sub, time_limit=max(0.05, left), gap=gap, start=None if start is None else start[b])
+        statuses.append(out.status)
+        if out.row_dual is not None:
+            y[rows] = out.row_dual
+        if out.x is None:
+            return Outcome(out.status, None, None, None, None, time.perf_counter() - t0, p.n, len(p.row_lower),
+                           out.notes, row_dual=y)
+        x[b] = out.x
+        objective += out.objective or 0.0
+        bound += out.bound if out.bound is not None else -np.inf
+        lp_bound += out.lp_bound or 0.0
+        n_cols += out.n_cols
+        n_rows += out.n_rows
+    for b in rowless:  # columns in no row: zero unless their cost is negative (then at their upper bound)
+        x[b] = np.where(p.cost[b] < 0, p.upper[b], 0.0)
+        objective += float(p.cost[b] @ x[b])
+        bound += float(p.cost[b] @ x[b])
+    worst = next((st for st in statuses if st != "Optimal"), "Optimal")
+    g = max(0.0, (objective - bound) / max(abs(objective), 1e-9)) if objective else 0.0
+    return Outcome(worst, x, objective, bound, g, time.perf_counter() - t0, n_cols, n_rows,
+                   [f"{len(blocks)} independent blocks", f"LP bound {lp_bound:.6g}"], lp_bound=lp_bound,
+                   row_dual=y)
+
+
+def solve_block(
+    p: Problem,
+    *,
+    time_limit: float = 30.0,
+    gap: float = 1e-4,
+    start: np.ndarray | None = None,
+    reduce: bool = True,
+) -> Outcome:
+    """Solve one block: LP by column generation, incumbent on a restricted set, reduced-cost fixing, MIP."""
+    import time
+
+    t0 = time.perf_counter()
+    notes: list[str] = []
+    if start is not None and p.violation(start) > 1e-9:
+        start = None
+    if not reduce:
+        real = np.flatnonzero(~p.artificial)
+        res = milp.solve(p.cost[real], np.zeros(len(real)), p.upper[real], p.integer[real], p.rows(real),
+                         time_limit=time_limit, gap=gap, start=None if start is None else start[real])
+        full = None
+        if res.x is not None:
+            full = np.zeros(p.n)
+            full[real] = res.x
+        return Outcome(res.status, full, res.objective, res.bound, res.gap, time.perf_counter() - t0,
+                       res.n_cols, res.n_rows, ["reductions off"])
+    lp, lp_cols, y = _lp(p, _seed(p, start), time_limit)
+    if lp.x is None:
+        return Outcome(lp.status, None, None, None, None, time.perf_counter() - t0, p.n, len(p.row_lower),
+                       [f"LP relaxation: {lp.status}"])
+    lp_x = np.zeros(p.n)
+    lp_x[lp_cols] = lp.x
+    shortfall = float(lp_x[p.artificial].sum())
+    if shortfall > 1e-6:
+        return Outcome("Infeasible", None, None, None, None, time.perf_counter() - t0, p.n, len(p.row_lower),
+                       [f"LP relaxation short of demand by {shortfall:.6g} tokens/s"], row_dual=y)
+    rc = p.reduced_costs(y)
+    z = p.lagrangian_bound(y, rc)
+    notes.append(f"LP bound {z:.6g} over {p.n} columns ({len(lp_cols)} generated)")
+    incumbent, ub = start, (float(p.cost @ start) if start is not None else np.inf)
+    restricted = np.setdiff1d(np.union1d(lp_cols, np.flatnonzero(lp_x > 1e-9)), np.flatnonzero(p.artificial))
+    if start is not None:
+        restricted = np.union1d(restricted, np.flatnonzero(start > 0))
+    spent = time.perf_counter() - t0
+    sub = milp.solve(p.cost[restricted], np.zeros(len(restricted)), p.upper[restricted], p.integer[restricted],
+                     p.rows(restricted), time_limit=max(0.05, 0.3 * (time_limit - spent)), gap=gap,
+                     start=None if incumbent is None else incumbent[restricted])
+    if sub.x is not None and sub.objective is not None and sub.objective < ub:
+        incumbent = np.zeros(p.n)
+        incumbent[restricted] = np.round(np.where(p.integer[restricted], sub.x, 0.0)) + np.where(
+            p.integer[restricted], 0.0, sub.x)
+        ub = float(p.cost @ incumbent)
+    if np.isfinite(ub):
+        slack = 1e-7 * max(1.0, abs(ub))
+        alive = (z + rc <= ub + slack) | p.protected
+        if incumbent is not None:
+            alive |= incumbent > 0
+    else:
+        alive = np.ones(p.n, dtype=bool)
+    alive &= ~p.artificial
+    cols = np.flatnonzero(alive)
+    notes.append(f"reduced-cost fixing kept {len(cols)} of {p.n} columns (incumbent {ub:.6g})")
+    spent = time.perf_counter() - t0
+    res = milp.solve(p.cost[cols], np.zeros(len(cols)), p.upper[cols], p.integer[cols], p.rows(cols),
+                     time_limit=max(0.05, time_limit - spent), gap=gap,
+                     start=None if incumbent is None else incumbent[cols])
+    x = None
+    if res.x is not None:
+        x = np.zeros(p.n)
+        x[cols] = res.x
+    elif incumbent is not None:
+        x = incumbent
+    objective = float(p.cost @ x) if x is not None else None
+    bound = z if res.bound is None or not np.isfinite(res.bound) else max(res.bound, z)
+    gap_out = None
+    if objective is not None:
+        gap_out = max(0.0, (objective - bound) / max(abs(objective), 1e-9)) if objective else 0.0
+    status = res.status if res.x is not None or x is None else "Time limit reached (incumbent)"
+    return Outcome(status, x, objective, bound, gap_out, time.perf_counter() - t0, len(cols), res.n_rows,
+                   notes, lp_bound=z, row_dual=y)

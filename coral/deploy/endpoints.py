@@ -1,0 +1,38 @@
+"""The endpoints file: where each rendered replica set answers, for a gateway in front of a deployment.
+
+`coral deploy --target kubernetes` writes `endpoints.json` (one row per Service, weight = planned tokens/s
+behind it); `coral gateway --endpoints endpoints.json` serves the OpenAI API over them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from coral.catalog.loader import load_file
+
+
+class EndpointSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    id: str = Field(min_length=1)
+    model: str = Field(min_length=1)
+    phase: Literal["prefill", "decode"]
+    url: str = Field(pattern=r"^https?://", description="API base, without /v1")
+    weight: float = Field(gt=0, description="planned tokens/s behind this endpoint (router weight)")
+
+
+class EndpointsFile(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    schema_version: Literal[1] = 1
+    endpoints: list[EndpointSpec] = Field(min_length=1)
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.write_text(self.model_dump_json(indent=2))
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> EndpointsFile:
+        return load_file(cls, path)

@@ -1,0 +1,271 @@
+"""Allocation experiments: planned cost of Coral vs Homo vs Cauchy-style, goodput under scarcity, online solve
+time, and a multi-epoch run with shifting demand and availability.
+
+Every experiment returns an `ExperimentResult` (rows of a table) and writes `<out>/experiments/<name>.json` and
+`<name>.png`. Libraries are built once per scenario and cached at `<out>/<scenario>.templates.sqlite`."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from coral.allocation import baselines
+from coral.allocation.allocator import InfeasibleDemand, allocate
+from coral.allocation.availability import estimated_nodes, headroom_availability
+from coral.allocation.demand import DemandKey, scenario_demand
+from coral.allocation.plan import Plan
+from coral.catalog.loader import builtin_catalog, load_scenario
+from coral.catalog.schema import Scenario
+from coral.templates.library import TemplateLibrary
+
+SCARCE_FACTORS = (0.5, 0.8, 1.25, 1.75)  # < 1: below the estimate; demand may not be met
+EPOCH_SEED = 7
+
+
+@dataclass
+class ExperimentResult:
+    name: str
+    title: str
+    columns: list[str]
+    rows: list[dict[str, Any]]
+    notes: list[str] = field(default_factory=list)
+    files: list[Path] = field(default_factory=list)
+
+
+def load_library(scenario: str, out: Path) -> TemplateLibrary:
+    """The scenario's library from `out/<scenario>.templates.sqlite`, built and cached when missing."""
+    import os
+
+    from coral.templates.build import build_library
+
+    path = out / f"{Path(scenario).stem}.templates.sqlite"
+    if path.exists():
+        return TemplateLibrary.load(path)
+    lib = build_library(load_scenario(scenario), workers=os.cpu_count(), progress=True)
+    lib.save(path)
+    return lib
+
+
+def _min_served(plan: Plan) -> float:
+    return min((s.served_fraction for s in plan.serving if s.demand > 0), default=1.0)
+
+
+def _goodput(plan: Plan) -> float:
+    """Demand-weighted served fraction over all (model, phase)."""
+    dem = sum(s.demand for s in plan.serving)
+    return sum(min(s.capacity, s.demand) for s in plan.serving) / dem if dem else 1.0
+
+
+def _compare(name: str, lib: TemplateLibrary, sc: Scenario, avail: dict[str, dict[str, int]],
+             demand: dict[DemandKey, float] | None, time_limit: float) -> list[dict[str, Any]]:
+    """Coral (cost mode, falling back to goodput and scaled), Homo and Cauchy on one setting."""
+    rows: list[dict[str, Any]] = []
+    plans: dict[str, Plan] = {}
+    try:
+        plans["coral"] = allocate(lib, sc, demand=demand, availability=avail, time_limit=time_limit, gap=1e-4)
+    except InfeasibleDemand:
+        plans["coral-goodput"] = allocate(lib, sc, demand=demand, availability=avail, mode="goodput",
+                                          time_limit=time_limit)
+        plans["coral-scaled"] = allocate(lib, sc, demand=demand, availability=avail, mode="scaled",
+                                         time_limit=time_limit)
+    plans["homo"] = baselines.homo(lib, sc, demand=demand, availability=avail)
+    plans["cauchy"] = baselines.cauchy(lib, sc, demand=demand, availability=avail, time_limit=time_limit)
+    for method, p in plans.items():
+        rows.append({
+            "setting": name, "method": method, "cost_per_hour": round(p.cost_per_hour, 4),
+            "instances": len(p.instances), "nodes": sum(i.n_nodes for i in p.instances),
+            "heterogeneous": sum(i.heterogeneous for i in p.instances),
+            "min_served": round(_min_served(p), 4), "goodput": round(_goodput(p), 4),
+            "demand_scale": p.demand_scale, "solve_s": round(p.solve.time_s, 3),
+            "gap": p.solve.gap, "status": p.solve.status,
+        })
+    return rows
+
+
+COMPARE_COLUMNS = ["setting", "method", "cost_per_hour", "instances", "nodes", "heterogeneous", "min_served",
+                   "goodput", "demand_scale", "solve_s", "gap", "status"]
+
+
+class _Estimates:
+    """E_c per scenario (the unlimited cost-optimal plan's nodes), computed once."""
+
+    def __init__(self) -> None:
+        self._cache: dict[str, dict[str, int]] = {}
+
+    def availability(self, sc: Scenario, lib: TemplateLibrary, factor: float,
+                     demand: dict[DemandKey, float] | None = None) -> dict[str, dict[str, int]]:
+        key = sc.name + ("" if demand is None else json.dumps(sorted((f"{m}/{p}", v) for (m, p), v in demand.items())))
+        if key not in self._cache:
+            if demand is None:
+                self._cache[key] = estimated_nodes(sc, lib)
+            else:
+                plan = allocate(lib, sc, demand=demand, availability="unlimited", gap=1e-6)
+                est: dict[str, int] = {}
+                for inst in plan.instances:
+                    for c, n in inst.counts.items():
+                        est[c] = est.get(c, 0) + n
+                self._cache[key] = est
+        return headroom_availability(sc, self._cache[key], factor)
+
+
+def exp_default(out: Path, time_limit: float = 30.0) -> ExperimentResult:
+    """The paper's default setting (core and extended) at the scenarios' availability."""
+    est = _Estimates()
+    rows = []
+    for name in ("core", "extended"):
+        sc, lib = load_scenario(name), load_library(name, out)
+        factor = sc.availability.factor if not isinstance(sc.availability, dict) else 3.0
+        rows += _compare(name, lib, sc, est.availability(sc, lib, factor), None, time_limit)
+    return ExperimentResult("default", "Default setting: planned $/h", COMPARE_COLUMNS, rows)
+
+
+def exp_scarce(out: Path, time_limit: float = 30.0) -> ExperimentResult:
+    """Scarce availability: 25% and 75% above the estimated demand (availability module doc), and 20% / 50% below
+    it (when demand cannot be met, Coral runs the goodput and scaled modes)."""
+    est = _Estimates()
+    rows = []
+    for name in ("core", "extended"):
+        sc, lib = load_scenario(name), load_library(name, out)
+        for f in SCARCE_FACTORS:
+            rows += _compare(f"{name} x{f:g}", lib, sc, est.availability(sc, lib, f), None, time_limit)
+    return ExperimentResult("scarce", "Scarce availability: cost and goodput", COMPARE_COLUMNS, rows)
+
+
+def _imbalanced_demand(sc: Scenario, large_heavy: bool) -> dict[DemandKey, float]:
+    """Rates ×2 for the larger half of the models (by parameter bytes) and ×0.5 for the rest, or the reverse."""
+    from coral.perf.roofline import RooflineModel
+
+    perf, cat = RooflineModel(), builtin_catalog()
+    size = {sm.model: perf.shape(cat.model(sm.model)).model_bytes for sm in sc.models}
+    ranked = sorted(size, key=lambda m: size[m])
+    large = set(ranked[len(ranked) // 2:])
+    base = scenario_demand(sc)
+    return {(m, p): v * ((2.0 if m in large else 0.5) if large_heavy else (0.5 if m in large else 2.0))
+            for (m, p), v in base.items()}
+
+
+def exp_imbalanced(out: Path, time_limit: float = 30.0) -> ExperimentResult:
+    """Imbalanced demand: large-heavy and small-heavy request mixes on the extended scenario."""
+    est = _Estimates()
+    rows = []
+    sc, lib = load_scenario("extended"), load_library("extended", out)
+    for label, heavy in (("large-heavy", True), ("small-heavy", False)):
+        dem = _imbalanced_demand(sc, heavy)
+        rows += _compare(label, lib, sc, est.availability(sc, lib, 3.0, dem), dem, time_limit)
+    return ExperimentResult("imbalanced", "Imbalanced demand (extended)", COMPARE_COLUMNS, rows)
+
+
+def _churn(prev: Plan | None, new: Plan) -> tuple[int, int]:
+    def tally(p: Plan | None) -> dict[tuple[int, str], int]:
+        out: dict[tuple[int, str], int] = {}
+        for i in (p.instances if p else []):
+            out[(i.template_id, i.region)] = out.get((i.template_id, i.region), 0) + 1
+        return out
+
+    a, b = tally(prev), tally(new)
+    started = sum(max(0, n - a.get(k, 0)) for k, n in b.items())
+    stopped = sum(max(0, n - b.get(k, 0)) for k, n in a.items())
+    return started, stopped
+
+
+def exp_epochs(out: Path, time_limit: float = 30.0, scenario: str = "extended") -> ExperimentResult:
+    """Five epochs with demand (×U[0.6, 1.4] per model) and availability (factor U[1.5, 3]) shifting
+    deterministically (seed EPOCH_SEED); each epoch re-plans from the previous one with the scale-up penalty."""
+    est = _Estimates()
+    sc, lib = load_scenario(scenario), load_library(scenario, out)
+    rng = np.random.default_rng(EPOCH_SEED)
+    base = scenario_demand(sc)
+    avail0 = est.availability(sc, lib, 1.0)
+    rows = []
+    prev: Plan | None = None
+    for epoch in range(sc.epochs):
+        mult = {sm.model: float(rng.uniform(0.6, 1.4)) for sm in sc.models}
+        factor = float(rng.uniform(1.5, 3.0))
+        dem = {(m, p): v * mult[m] for (m, p), v in base.items()}
+        avail = {r: {c: int(np.ceil(n * factor)) for c, n in cs.items()} for r, cs in avail0.items()}
+        t0 = time.perf_counter()
+        try:
+            plan = allocate(lib, sc, demand=dem, availability=avail, running=prev, time_limit=time_limit)
+        except InfeasibleDemand:
+            plan = allocate(lib, sc, demand=dem, availability=avail, running=prev, mode="goodput",
+                            time_limit=time_limit)
+        wall = time.perf_counter() - t0
+        started, stopped = _churn(prev, plan)
+        rows.append({"epoch": epoch, "demand_x": round(float(np.mean(list(mult.values()))), 3),
+                     "avail_factor": round(factor, 3), "cost_per_hour": round(plan.cost_per_hour, 4),
+                     "penalty_per_hour": round(plan.penalty_per_hour, 4), "instances": len(plan.instances),
+                     "started": started, "stopped": stopped, "min_served": round(_min_served(plan), 4),
+                     "solve_s": round(plan.solve.time_s, 3), "wall_s": round(wall, 3), "gap": plan.solve.gap})
+        prev = plan
+    cols = ["epoch", "demand_x", "avail_factor", "cost_per_hour", "penalty_per_hour", "instances", "started",
+            "stopped", "min_served", "solve_s", "wall_s", "gap"]
+    return ExperimentResult("epochs", f"Five epochs of shifting demand and availability ({scenario})", cols, rows,
+                            notes=[f"availability = ceil(factor × E_c / |R_c|), seed {EPOCH_SEED}"])
+
+
+EXPERIMENTS: dict[str, Callable[..., ExperimentResult]] = {
+    "default": exp_default,
+    "scarce": exp_scarce,
+    "imbalanced": exp_imbalanced,
+    "epochs": exp_epochs,
+}
+
+
+def _plot(result: ExperimentResult, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    if result.name == "epochs":
+        ep = [r["epoch"] for r in result.rows]
+        axes[0].plot(ep, [r["cost_per_hour"] for r in result.rows], marker="o", label="$/h")
+        axes[0].plot(ep, [r["penalty_per_hour"] for r in result.rows], marker="x", label="penalty $/h")
+        axes[0].set_xlabel("epoch")
+        axes[0].legend()
+        axes[1].bar(np.array(ep) - 0.2, [r["started"] for r in result.rows], 0.4, label="started")
+        axes[1].bar(np.array(ep) + 0.2, [r["stopped"] for r in result.rows], 0.4, label="stopped")
+        axes[1].set_xlabel("epoch")
+        axes[1].legend()
+    else:
+        settings = list(dict.fromkeys(r["setting"] for r in result.rows))
+        methods = list(dict.fromkeys(r["method"] for r in result.rows))
+        width = 0.8 / max(len(methods), 1)
+        for i, m in enumerate(methods):
+            xs = [settings.index(r["setting"]) + i * width for r in result.rows if r["method"] == m]
+            axes[0].bar(xs, [r["cost_per_hour"] for r in result.rows if r["method"] == m], width, label=m)
+            axes[1].bar(xs, [r["goodput"] for r in result.rows if r["method"] == m], width, label=m)
+        for ax, label in ((axes[0], "$/h"), (axes[1], "served fraction of demand")):
+            ax.set_xticks(np.arange(len(settings)) + 0.4 - width / 2, settings, rotation=15)
+            ax.set_ylabel(label)
+        axes[0].legend()
+    fig.suptitle(result.title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run_experiment(name: str, out: Path = Path("out"), time_limit: float = 30.0, **options: Any) -> ExperimentResult:
+    """Run one experiment and write its JSON and PNG under `out/experiments/` (`options`: e.g. scenario= for
+    epochs)."""
+    from coral.catalog.loader import CoralInputError
+
+    if name not in EXPERIMENTS:
+        raise CoralInputError(f"experiment {name!r}: unknown; known: {', '.join(EXPERIMENTS)}")
+    result = EXPERIMENTS[name](out, time_limit=time_limit, **options)
+    folder = out / "experiments"
+    folder.mkdir(parents=True, exist_ok=True)
+    js = folder / f"{name}.json"
+    js.write_text(json.dumps({"name": name, "title": result.title, "columns": result.columns, "rows": result.rows,
+                              "notes": result.notes}, indent=2, default=float))
+    png = folder / f"{name}.png"
+    _plot(result, png)
+    result.files = [js, png]
+    return result

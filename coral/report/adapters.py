@@ -1,0 +1,82 @@
+"""Map other stages' results onto `ReportInputs` and read report input files of either shape."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel
+
+from coral.catalog.loader import CoralInputError, _read_structured, load_scenario, validate
+from coral.catalog.schema import Scenario
+from coral.report.inputs import EpochPoint, LatencySeries, ReportInputs, adapt_inputs
+from coral.simulation.metrics import LatencyStats, SimResult
+
+
+def _cdf(stats: LatencyStats) -> list[tuple[float, float]]:
+    """SimResult's percentile ladder (cdf[i] = i-th of n evenly spaced percentiles) as CDF points."""
+    n = len(stats.cdf)
+    return [(x, i / (n - 1)) for i, x in enumerate(stats.cdf) if i > 0] if n > 1 else []
+
+
+def _scenario_of(result: SimResult) -> Scenario | None:
+    try:
+        return load_scenario(result.scenario)
+    except CoralInputError:
+        return None
+
+
+def inputs_from_sim(result: SimResult, scenario: Scenario | None = None, method: str = "") -> ReportInputs:
+    """Latency CDFs (with the scenario's SLOs and the simulator's exact attainment) and per-epoch points.
+
+    `scenario` defaults to the built-in one named in the result, if any. Churn per epoch is the number of
+    instances starting or draining at the epoch's start.
+    """
+    scenario = scenario or _scenario_of(result)
+    slos = {m.model: (m.prefill_slo_ms, m.decode_slo_ms) for m in scenario.models} if scenario else {}
+    latency = {
+        m.model: LatencySeries(
+            ttft_ms=_cdf(m.ttft_ms),
+            tpot_ms=_cdf(m.tpot_ms),
+            slo_ttft_ms=slos.get(m.model, (None, None))[0],
+            slo_tpot_ms=slos.get(m.model, (None, None))[1],
+            count=m.requests,
+            ttft_attainment=m.ttft_attainment,
+            tpot_attainment=m.tpot_attainment,
+        )
+        for m in result.models
+    }
+    epochs = [
+        EpochPoint(
+            epoch=e.epoch,
+            cost_per_hour=e.cost_per_hour,
+            goodput=e.goodput_tokens_s,
+            churn=e.instances_starting + e.instances_draining,
+            method=method,
+        )
+        for e in result.epochs
+    ]
+    return ReportInputs(epochs=epochs, latency=latency)
+
+
+def as_inputs(
+    data: SimResult | ReportInputs | BaseModel | Mapping[str, Any] | None,
+    source: str = "simulation result",
+    method: str = "",
+) -> ReportInputs:
+    """Any supported result as ReportInputs: a SimResult (object or its JSON dict), or what `adapt_inputs` takes."""
+    if isinstance(data, SimResult):
+        return inputs_from_sim(data, method=method)
+    if isinstance(data, Mapping) and "overall" in data and "models" in data:
+        return inputs_from_sim(validate(SimResult, data, source), method=method)
+    return adapt_inputs(data, source)
+
+
+def load_inputs(path: str | Path, method: str = "") -> ReportInputs:
+    """Read a SimResult JSON (from `coral simulate`) or a ReportInputs JSON/YAML; errors name file and field."""
+    path = Path(path)
+    data = _read_structured(path)
+    if not isinstance(data, Mapping):
+        raise CoralInputError(f"{path}: expected a mapping at the top level, got {type(data).__name__}")
+    return as_inputs(data, str(path), method)

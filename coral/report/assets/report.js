@@ -1,0 +1,373 @@
+// Coral report renderer: draws the view model (coral/report/view.py) into #app with plain DOM and inline SVG.
+// Used by the static report (data embedded in #coral-data) and the live dashboard (polls config.poll_url).
+(function () {
+  "use strict";
+  var SVGNS = "http://www.w3.org/2000/svg";
+  var openDetails = {};
+
+  function add(el, children) {
+    (Array.isArray(children) ? children : [children]).forEach(function (c) {
+      if (c === null || c === undefined || c === false) return;
+      if (Array.isArray(c)) add(el, c);
+      else el.appendChild(typeof c === "object" ? c : document.createTextNode(String(c)));
+    });
+    return el;
+  }
+  function attrs(el, a) {
+    Object.keys(a || {}).forEach(function (k) {
+      if (a[k] !== null && a[k] !== undefined) el.setAttribute(k, a[k]);
+    });
+    return el;
+  }
+  function h(tag, a) { return add(attrs(document.createElement(tag), a), [].slice.call(arguments, 2)); }
+  function s(tag, a) { return add(attrs(document.createElementNS(SVGNS, tag), a), [].slice.call(arguments, 2)); }
+
+  function fixed(v, d) {
+    return Number(v).toLocaleString("en-US", { minimumFractionDigits: d, maximumFractionDigits: d });
+  }
+  function money(v) { return "$" + fixed(v, 2) + "/h"; }
+  function pct(v) { return v === null || v === undefined ? "–" : fixed(100 * v, 1) + "%"; }
+  function qty(v) {
+    if (v === null || v === undefined) return "–";
+    var a = Math.abs(v);
+    if (Number.isInteger(v) && a < 1e4) return fixed(v, 0);
+    if (a >= 1e6) return fixed(v / 1e6, 2) + "M";
+    if (a >= 1e4) return fixed(v / 1e3, 1) + "k";
+    if (a >= 100) return fixed(v, 0);
+    return fixed(v, a >= 10 ? 1 : 2);
+  }
+  function ms(v) { return v === null || v === undefined ? "–" : qty(v) + " ms"; }
+  function cap(t) { return t.charAt(0).toUpperCase() + t.slice(1); }
+
+  function niceTicks(lo, hi, n) {
+    if (!(hi > lo)) hi = lo + 1;
+    var raw = (hi - lo) / n, mag = Math.pow(10, Math.floor(Math.log10(raw)));
+    var step = [1, 2, 2.5, 5, 10].map(function (m) { return m * mag; }).filter(function (x) { return x >= raw; })[0];
+    var out = [];
+    for (var t = Math.ceil(lo / step) * step; t <= hi + step * 1e-9; t += step) out.push(+t.toPrecision(12));
+    out.step = step;
+    return out;
+  }
+  // Tick labels with as many decimals as the tick step needs (1k/1M suffixes for large values).
+  function tickFmt(step) {
+    return function (v) {
+      if (Math.abs(v) >= 1e4) return qty(v);
+      var d = 0;
+      while (d < 3 && Math.abs(step * Math.pow(10, d) - Math.round(step * Math.pow(10, d))) > 1e-6) d++;
+      return fixed(v, d);
+    };
+  }
+
+  // Horizontal bar chart: items [{label, value, color?, id?}].
+  function barChart(items, fmt, opts) {
+    opts = opts || {};
+    var longest = Math.max.apply(null, items.map(function (i) { return String(i.label).length; }).concat([4]));
+    var rowH = 26, labelW = Math.min(opts.labelW || 200, 7 * longest + 14), valueW = 84, width = opts.width || 420;
+    var barW = width - labelW - valueW, height = items.length * rowH + 6;
+    var max = Math.max.apply(null, items.map(function (i) { return i.value; }).concat([1e-9]));
+    var svg = s("svg", { width: width, height: height, viewBox: "0 0 " + width + " " + height, role: "img" });
+    items.forEach(function (it, k) {
+      var y = 3 + k * rowH, w = Math.max(1, (barW - 8) * it.value / max);
+      add(svg, [
+        s("text", { x: labelW - 8, y: y + 17, "text-anchor": "end", "font-size": 13 }, it.label),
+        s("rect", { x: labelW, y: y + 4, width: w, height: rowH - 8, rx: 3, fill: it.color || "#2f6fdf",
+          opacity: it.dim ? 0.45 : 1 }),
+        s("text", { x: labelW + w + 6, y: y + 17, "font-size": 13, "data-value": it.value,
+          class: "bar-value", "data-label": it.label }, fmt(it.value)),
+      ]);
+    });
+    return svg;
+  }
+
+  // Line / step chart: series [{name, color, points: [[x, y]]}]; vlines [{x, label}] drawn dashed.
+  function lineChart(series, opts) {
+    var W = opts.width || 400, H = opts.height || 230, m = { l: 56, r: 14, t: 12, b: 40 };
+    var pw = W - m.l - m.r, ph = H - m.t - m.b;
+    var xs = [], ys = [];
+    series.forEach(function (sr) { sr.points.forEach(function (p) { xs.push(p[0]); ys.push(p[1]); }); });
+    (opts.vlines || []).forEach(function (v) { xs.push(v.x); });
+    var x0 = opts.xmin !== undefined ? opts.xmin : Math.min.apply(null, xs);
+    var x1 = Math.max.apply(null, xs), y0 = opts.ymin !== undefined ? opts.ymin : Math.min(0, Math.min.apply(null, ys));
+    var y1 = opts.ymax !== undefined ? opts.ymax : Math.max.apply(null, ys);
+    if (!(x1 > x0)) x1 = x0 + 1;
+    if (!(y1 > y0)) y1 = y0 + 1;
+    var xt = opts.xticks || niceTicks(x0, x1, 5), yt = niceTicks(y0, y1, 4);
+    var xf = opts.xfmt || tickFmt(xt.step || 1), yf = opts.yfmt || tickFmt(yt.step);
+    x1 = Math.max(x1, xt[xt.length - 1]); y1 = Math.max(y1, yt[yt.length - 1]);
+    function X(v) { return m.l + pw * (v - x0) / (x1 - x0); }
+    function Y(v) { return m.t + ph - ph * (v - y0) / (y1 - y0); }
+    var svg = s("svg", { width: W, height: H, viewBox: "0 0 " + W + " " + H, role: "img" });
+    yt.forEach(function (t) {
+      add(svg, [s("line", { x1: m.l, x2: m.l + pw, y1: Y(t), y2: Y(t), class: "gridline" }),
+        s("text", { x: m.l - 6, y: Y(t) + 4, "text-anchor": "end", class: "tick" }, yf(t))]);
+    });
+    xt.forEach(function (t) {
+      add(svg, s("text", { x: X(t), y: m.t + ph + 16, "text-anchor": "middle", class: "tick" }, xf(t)));
+    });
+    add(svg, [s("line", { x1: m.l, x2: m.l + pw, y1: m.t + ph, y2: m.t + ph, class: "axis" }),
+      s("line", { x1: m.l, x2: m.l, y1: m.t, y2: m.t + ph, class: "axis" }),
+      s("text", { x: m.l + pw / 2, y: H - 6, "text-anchor": "middle", "font-size": 12, fill: "#5c667a" }, opts.xlabel || "")]);
+    (opts.vlines || []).forEach(function (v) {
+      add(svg, [s("line", { x1: X(v.x), x2: X(v.x), y1: m.t, y2: m.t + ph, stroke: "#c23b32", "stroke-width": 1.5,
+        "stroke-dasharray": "5 4", class: "slo-line" }),
+        s("text", { x: X(v.x) + (X(v.x) > m.l + 0.75 * pw ? -4 : 4), y: m.t + ph - 8, "font-size": 11, style: "fill:#c23b32",
+          "text-anchor": X(v.x) > m.l + 0.75 * pw ? "end" : "start" }, v.label)]);
+    });
+    series.forEach(function (sr) {
+      var d = "", prev = null;
+      sr.points.forEach(function (p, k) {
+        if (opts.step) {
+          d += k === 0 ? "M" + X(p[0]) + "," + Y(0) + "V" + Y(p[1]) : "H" + X(p[0]) + "V" + Y(p[1]);
+        } else d += (k === 0 ? "M" : "L") + X(p[0]) + "," + Y(p[1]);
+        prev = p;
+      });
+      if (opts.step && prev) d += "H" + (m.l + pw);
+      add(svg, s("path", { d: d, fill: "none", stroke: sr.color, "stroke-width": 2 }));
+      if (!opts.step) sr.points.forEach(function (p) {
+        add(svg, s("circle", { cx: X(p[0]), cy: Y(p[1]), r: 3, fill: sr.color }));
+      });
+    });
+    return svg;
+  }
+
+  function legend(entries) {
+    return h("div", { class: "legend" }, entries.map(function (e) {
+      return h("span", null, h("i", { class: "swatch", style: "background:" + e.color }), e.label);
+    }));
+  }
+
+  function kpi(label, value, hint, id, dataValue) {
+    return h("div", { class: "kpi" }, h("div", { class: "label" }, label),
+      h("div", { class: "value", id: id, "data-value": dataValue }, value), hint ? h("div", { class: "hint" }, hint) : null);
+  }
+
+  // headers: the first `nLeft` columns are left-aligned text, the rest right-aligned numbers.
+  function table(headers, rows, id, nLeft) {
+    return h("div", { class: "tablewrap" }, h("table", { id: id },
+      h("thead", null, h("tr", null, headers.map(function (x, k) { return h("th", { class: k < (nLeft || 1) ? "l" : null }, x); }))),
+      h("tbody", null, rows)));
+  }
+
+  function header(vm, cfg, status) {
+    var sm = vm.summary, sv = sm.solve || {};
+    var bits = ["scenario " + sm.scenario, "method " + sm.method, "mode " + sm.mode];
+    if (sm.demand_scale !== 1) bits.push("demand ×" + fixed(sm.demand_scale, 2));
+    if (sv.status) bits.push("solver " + sv.status + (sv.time_s ? " in " + fixed(sv.time_s, 2) + " s" : "") +
+      (sv.gap ? ", gap " + pct(sv.gap) : ""));
+    if (sm.created_at) bits.push(sm.created_at);
+    return h("header", null, h("h1", null, vm.title),
+      h("div", { class: "sub" }, cfg.poll_url ? [h("i", { class: "live-dot" + (status.ok ? "" : " off") }),
+        (status.ok ? "live · updated " : "disconnected · last update ") + status.at + " · "] : null, bits.join(" · ")),
+      (sv.notes || []).map(function (n) { return h("div", { class: "sub solver-note" }, "solver: " + n); }));
+  }
+
+  function kpis(vm) {
+    var sm = vm.summary, cmp = vm.comparison, cards = [
+      kpi("Total cost", money(sm.cost_per_hour), sm.penalty_per_hour > 0 ? "+ " + money(sm.penalty_per_hour) + " scale-up penalty" : "provisioning", "total-cost", sm.cost_per_hour),
+      kpi("Instances", String(sm.n_instances), sm.n_heterogeneous + " heterogeneous", "n-instances", sm.n_instances),
+      kpi("Nodes / GPUs", sm.n_nodes + " / " + sm.n_gpus, null, "n-nodes", sm.n_nodes),
+      kpi("Demand served", pct(sm.min_served_fraction), "worst model/phase", "served", sm.min_served_fraction),
+    ];
+    if (cmp) cmp.rows.slice(1).forEach(function (r) {
+      var better = r.ratio >= 1;
+      cards.push(kpi("vs " + r.method, fixed(better ? r.ratio : 1 / r.ratio, 2) + "× " + (better ? "cheaper" : "dearer"),
+        money(r.cost_per_hour) + ", serves " + pct(r.min_served_fraction), "ratio-" + r.method, r.ratio));
+    });
+    if (vm.live) cards.push(kpi("In flight", qty(vm.live.total_inflight), qty(vm.live.total_requests) + " requests so far", "inflight", vm.live.total_inflight));
+    return h("section", { class: "kpis" }, cards);
+  }
+
+  function servingSection(vm) {
+    var rows = vm.serving.map(function (r) {
+      return h("tr", { "data-model": r.model, "data-phase": r.phase },
+        h("td", null, r.model), h("td", { class: "l" }, r.phase), h("td", null, qty(r.demand)), h("td", null, qty(r.capacity)),
+        h("td", { class: r.served_fraction < 0.999 ? "short" : null }, pct(r.served_fraction)),
+        h("td", null, String(r.n_instances)), h("td", { class: "cost", "data-value": r.cost_per_hour }, money(r.cost_per_hour)));
+    });
+    return h("div", null, h("h3", null, "Demand and capacity (tokens/s)"),
+      table(["Model", "Phase", "Demand", "Capacity", "Served", "Instances", "Cost"], rows, "serving", 2));
+  }
+
+  function costSection(vm) {
+    var c = vm.costs, colors = vm.gpu_colors;
+    function card(title, items, key) {
+      return h("div", { class: "card", id: "cost-" + key }, h("h3", null, title),
+        items.length ? barChart(items.map(function (i) {
+          return { label: i.label, value: i.value, color: key === "gpu" ? colors[i.label] : null };
+        }), money, { width: 286 }) : h("div", { class: "empty" }, "no instances"));
+    }
+    return h("div", { class: "grid4" }, card("Cost per model", c.by_model, "model"), card("Cost per phase", c.by_phase, "phase"),
+      card("Cost per region", c.by_region, "region"), card("Cost per GPU type", c.by_gpu, "gpu"));
+  }
+
+  function comparisonSection(vm) {
+    var cmp = vm.comparison;
+    if (!cmp) return null;
+    var bars = barChart(cmp.rows.map(function (r, k) {
+      return { label: r.method, value: r.cost_per_hour, color: k === 0 ? "#2f6fdf" : "#8a94a6" };
+    }), money, { width: 420 });
+    var rows = cmp.rows.map(function (r) {
+      return h("tr", { "data-method": r.method }, h("td", null, r.method),
+        cmp.models.map(function (m) { return h("td", null, money(r.by_model[m])); }),
+        h("td", { class: r.min_served_fraction < 0.999 ? "short" : null }, pct(r.min_served_fraction)),
+        h("td", { "data-value": r.cost_per_hour }, money(r.cost_per_hour)),
+        h("td", null, r.ratio === null ? "–" : fixed(r.ratio, 2) + "×"));
+    });
+    return h("section", null, h("h2", null, "Comparison with baselines"),
+      h("div", { class: "cmp" }, h("div", { class: "card" }, h("h3", null, "Total cost per method"), bars),
+        table(["Method"].concat(cmp.models, ["Served", "Total", "vs " + cmp.rows[0].method]), rows, "comparison")));
+  }
+
+  // One instance (group): stage columns left to right, a box per node coloured by GPU type.
+  function instanceDiagram(g, colors) {
+    var colW = 132, boxH = 38, gap = 8, top = 40, arrow = 26;
+    var maxNodes = Math.max.apply(null, g.stages.map(function (st) { return st.nodes.length; }));
+    var W = g.stages.length * colW + (g.stages.length - 1) * arrow + 4, H = top + maxNodes * (boxH + gap) + 2;
+    var svg = s("svg", { width: W, height: H, viewBox: "0 0 " + W + " " + H, class: "diagram", role: "img" });
+    g.stages.forEach(function (st, k) {
+      var x = 2 + k * (colW + arrow);
+      add(svg, [s("text", { x: x + colW / 2, y: 14, "text-anchor": "middle", "font-size": 12, "font-weight": 700 }, "Stage " + (k + 1)),
+        s("text", { x: x + colW / 2, y: 29, "text-anchor": "middle", "font-size": 11, class: "layers" },
+          "layers " + st.first_layer + "–" + st.last_layer + " (" + st.layers + ")")]);
+      st.nodes.forEach(function (n, j) {
+        var y = top + j * (boxH + gap);
+        add(svg, [s("rect", { x: x, y: y, width: colW, height: boxH, rx: 5, fill: colors[n.gpu] || "#888", class: "node",
+          "data-config": n.config }),
+          s("text", { x: x + colW / 2, y: y + 16, "text-anchor": "middle", "font-size": 12, "font-weight": 700, fill: "#fff", style: "fill:#fff" }, n.config),
+          s("text", { x: x + colW / 2, y: y + 31, "text-anchor": "middle", "font-size": 11, style: "fill:#fff" },
+            n.throughput === null ? "" : qty(n.throughput) + " tok/s")]);
+      });
+      if (k > 0) {
+        var ax = x - arrow + 4, ay = top + boxH / 2;
+        add(svg, s("path", { d: "M" + ax + "," + ay + "H" + (x - 5) + "m-5,-4l5,4l-5,4", fill: "none", stroke: "#9aa3b2", "stroke-width": 1.5 }));
+      }
+    });
+    return svg;
+  }
+
+  function instanceCard(g, colors, states) {
+    var key = g.ids[0], counts = {};
+    g.ids.forEach(function (id) { var st = states[id]; if (st) counts[st] = (counts[st] || 0) + 1; });
+    var det = h("details", { "data-key": key }, h("summary", null, g.count === 1 ? "instance id" : g.count + " instance ids"),
+      g.ids.map(function (id) { return h("code", null, id + (states[id] ? "  [" + states[id] + "]" : "")); }));
+    if (openDetails[key]) det.open = true;
+    det.addEventListener("toggle", function () { openDetails[key] = det.open; });
+    return h("div", { class: "card instance", "data-model": g.model, "data-phase": g.phase, "data-count": g.count },
+      h("div", { class: "inst-head" }, h("span", { class: "count" }, g.model + " · " + g.phase + " ×" + g.count),
+        g.heterogeneous ? h("span", { class: "badge het" }, "heterogeneous") : null,
+        Object.keys(counts).sort().map(function (st) { return h("span", { class: "badge " + st }, counts[st] + " " + st); })),
+      h("div", { class: "sub", style: "margin:2px 0 6px" }, "template " + g.template_id + " · " + g.region + " · " +
+        money(g.cost_per_hour) + " · " + qty(g.throughput) + " tok/s each"),
+      instanceDiagram(g, colors), det);
+  }
+
+  function instancesSection(vm) {
+    var states = {}, colors = vm.gpu_colors;
+    if (vm.live) vm.live.instances.forEach(function (r) { states[r.id] = r.state; });
+    return h("section", { id: "instances" }, h("h2", null, "Serving instances"),
+      legend(Object.keys(colors).map(function (g) { return { label: g, color: colors[g] }; })),
+      vm.instance_groups.length ? h("div", { class: "instances" }, vm.instance_groups.map(function (g) {
+        return instanceCard(g, colors, states);
+      })) : h("div", { class: "empty" }, "the plan has no instances"));
+  }
+
+  function liveSection(vm) {
+    var lv = vm.live;
+    if (!lv) return null;
+    var rows = lv.instances.map(function (r) {
+      return h("tr", { "data-id": r.id }, h("td", null, r.id), h("td", { class: "l" }, h("span", { class: "badge " + r.state }, r.state)),
+        h("td", { class: "inflight" }, qty(r.inflight)), h("td", { class: "requests" }, qty(r.requests)), h("td", null, fixed(r.weight, 2)));
+    });
+    var split = lv.traffic.map(function (t) {
+      return h("div", { class: "card" }, h("h3", null, t.model + " · " + t.phase + " traffic split"),
+        barChart(t.shares.map(function (x) { return { label: x.id.split(".").slice(-2).join("."), value: x.share }; }), pct,
+          { width: 300 }));
+    });
+    var lat = lv.latency_summary || [], cols = [];
+    lat.forEach(function (r) { Object.keys(r).forEach(function (k) { if (k !== "model" && cols.indexOf(k) < 0) cols.push(k); }); });
+    var latTable = lat.length ? h("div", { style: "margin-top:14px" }, h("h3", null, "Recent latency"),
+      table(["Model"].concat(cols.map(function (k) { return k.replace(/_/g, " "); })), lat.map(function (r) {
+        return h("tr", { "data-model": r.model }, h("td", null, r.model), cols.map(function (k) {
+          return h("td", null, r[k] === undefined ? "–" : (/_ms$/.test(k) ? ms(r[k]) : qty(r[k])));
+        }));
+      }), "live-latency")) : null;
+    return h("section", { id: "live" }, h("h2", null, "Runtime"),
+      h("div", { class: "legend", id: "states" }, Object.keys(lv.states).map(function (st) {
+        return h("span", null, h("span", { class: "badge " + st }, st), String(lv.states[st]));
+      })),
+      h("div", { class: "grid2" }, table(["Instance", "State", "In flight", "Requests", "Weight"], rows, "live-instances", 2),
+        h("div", { class: "grid2" }, split.length ? split : h("div", { class: "empty" }, "no instances reported"))), latTable);
+  }
+
+  var SERIES_COLORS = ["#2f6fdf", "#8a94a6", "#e69f00", "#009e73", "#cc79a7"];
+
+  function epochsSection(vm) {
+    if (!vm.epochs.length) return null;
+    var colored = vm.epochs.map(function (sr, k) { return { name: sr.method, color: SERIES_COLORS[k % SERIES_COLORS.length], raw: sr.points }; });
+    var xt = [];
+    colored.forEach(function (sr) { sr.raw.forEach(function (p) { if (xt.indexOf(p.epoch) < 0) xt.push(p.epoch); }); });
+    xt.sort(function (a, b) { return a - b; });
+    function chart(field, title, fmt) {
+      var series = colored.map(function (sr) {
+        return { name: sr.name, color: sr.color, points: sr.raw.map(function (p) { return [p.epoch, p[field]]; }) };
+      });
+      return h("div", { class: "card", id: "epochs-" + field }, h("h3", null, title),
+        lineChart(series, { xlabel: "epoch", xticks: xt.length <= 12 ? xt : null, xfmt: function (v) { return fixed(v, 0); },
+          yfmt: fmt, ymin: 0, width: 410 }));
+    }
+    return h("section", { id: "epochs" }, h("h2", null, "Per epoch"),
+      legend(colored.map(function (sr) { return { label: sr.name, color: sr.color }; })),
+      h("div", { class: "grid3" }, chart("cost_per_hour", "Cost ($/h)", function (v) { return "$" + fixed(v, 0); }),
+        chart("goodput", "Goodput (SLO-meeting tokens/s)", null), chart("churn", "Churn (instances changed)", null)));
+  }
+
+  function latencySection(vm) {
+    if (!vm.latency.length) return null;
+    var cards = vm.latency.map(function (c) {
+      var name = c.metric === "ttft" ? "TTFT" : "TPOT";
+      // long tails squash the body of the curve: show up to past p99 (and the SLO); the step runs on to the edge
+      var xmax = Math.max(1.15 * c.p99, 1.25 * (c.slo_ms || 0)), pts = c.points;
+      var clipped = pts.length && pts[pts.length - 1][0] > xmax;
+      if (clipped) {
+        pts = pts.filter(function (p) { return p[0] <= xmax; });
+        pts.push([xmax, pts.length ? pts[pts.length - 1][1] : 0]);
+      }
+      var stats = "p50 " + ms(c.p50) + " · p90 " + ms(c.p90) + " · p99 " + ms(c.p99) + " · n=" + c.n;
+      return h("div", { class: "card latency", "data-model": c.model, "data-metric": c.metric },
+        h("h3", null, c.model + " · " + name), h("div", { class: "sub" }, stats),
+        c.slo_ms !== null ? h("div", { class: c.attainment < 0.99 ? "short" : "sub" },
+          pct(c.attainment) + " within the " + ms(c.slo_ms) + " SLO") : null,
+        lineChart([{ name: name, color: "#2f6fdf", points: pts }], {
+          step: true, xmin: 0, ymin: 0, ymax: 1, yfmt: function (v) { return fixed(100 * v, 0) + "%"; },
+          xlabel: name + " (ms)" + (clipped ? ", tail past " + ms(xmax) + " not shown" : ""),
+          vlines: c.slo_ms !== null ? [{ x: c.slo_ms, label: "SLO " + ms(c.slo_ms) }] : [], width: 410,
+        }));
+    });
+    return h("section", { id: "latency" }, h("h2", null, "Latency CDFs against SLOs"), h("div", { class: "grid3" }, cards));
+  }
+
+  function render(vm, cfg, status) {
+    var app = document.getElementById("app");
+    var notes = vm.notes && vm.notes.length ? h("div", { class: "notes" }, vm.notes.map(function (n) { return h("div", null, n); })) : null;
+    var view = h("div", null, header(vm, cfg, status), kpis(vm), notes, liveSection(vm),
+      h("section", null, h("h2", null, "Plan"), servingSection(vm), h("div", { style: "height:14px" }), costSection(vm)),
+      comparisonSection(vm), instancesSection(vm), epochsSection(vm), latencySection(vm));
+    app.replaceChildren(view);
+    document.title = vm.title;
+    app.setAttribute("data-rendered", String(Number(app.getAttribute("data-rendered") || 0) + 1));
+  }
+
+  function now() { return new Date().toLocaleTimeString("en-GB"); }
+
+  var vm = JSON.parse(document.getElementById("coral-data").textContent);
+  var cfg = JSON.parse(document.getElementById("coral-config").textContent || "{}");
+  render(vm, cfg, { ok: true, at: now() });
+  if (cfg.poll_url) {
+    setInterval(function () {
+      fetch(cfg.poll_url, { cache: "no-store" })
+        .then(function (r) { if (!r.ok) throw new Error("HTTP " + r.status); return r.json(); })
+        .then(function (next) { vm = next; render(vm, cfg, { ok: true, at: now() }); })
+        .catch(function () { render(vm, cfg, { ok: false, at: now() }); });
+    }, cfg.interval_ms || 3000);
+  }
+})();

@@ -1,0 +1,162 @@
+"""Rich terminal output shared by the CLI modules: plan tables, comparisons, experiment series, progress bars."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    SpinnerColumn,
+    TextColumn,
+    TimeElapsedColumn,
+)
+from rich.table import Table
+
+from coral.allocation.plan import Plan, PlanInstance
+from coral.report.inputs import ReportInputs
+from coral.report.view import comparison, instance_groups, latency_charts
+
+
+def layout_text(inst: PlanInstance) -> str:
+    """'[1xL40S] L0-19 → [4xL4] L20-43 → [2×1xA10G] L44-63': stages left to right, nodes per stage."""
+    parts = []
+    for st in inst.stages:
+        nodes = ", ".join(f"{n}×{c}" if n > 1 else c for c, n in sorted(Counter(st.nodes).items()))
+        parts.append(f"[{nodes}] L{st.first_layer}-{st.first_layer + st.layers - 1}")
+    return " → ".join(parts)
+
+
+def _money(v: float) -> str:
+    return f"${v:,.2f}/h"
+
+
+def plan_tables(plan: Plan) -> list[Table]:
+    """The serving (demand/capacity/cost per model and phase) and instance tables of a plan."""
+    serving = Table(
+        title=f"Plan {plan.scenario} · {plan.method} · {plan.mode} · {_money(plan.cost_per_hour)}"
+    )
+    for col in ("model", "phase"):
+        serving.add_column(col)
+    for col in ("demand tok/s", "capacity tok/s", "served", "instances", "cost"):
+        serving.add_column(col, justify="right")
+    for s in sorted(plan.serving, key=lambda s: (s.model, s.phase)):
+        short = s.served_fraction < 0.999
+        serving.add_row(
+            s.model,
+            s.phase,
+            f"{s.demand:,.0f}",
+            f"{s.capacity:,.0f}",
+            f"[red]{s.served_fraction:.1%}[/]" if short else f"{s.served_fraction:.1%}",
+            str(len(plan.instances_of(s.model, s.phase))),
+            _money(s.cost_per_hour),
+        )
+    serving.add_section()
+    serving.add_row(
+        "total", "", "", "", "", str(len(plan.instances)), _money(plan.cost_per_hour), style="bold"
+    )
+
+    instances = Table(title="Instances (identical ones grouped)")
+    instances.add_column("instance", no_wrap=True)
+    instances.add_column("layout (stage → stage)", ratio=1)
+    instances.add_column("tok/s each", justify="right")
+    instances.add_column("$/h each", justify="right")
+    by_id = {i.id: i for i in plan.instances}
+    for g in instance_groups(plan):
+        instances.add_row(
+            f"{g['model']} {g['phase']}\n[dim]×{g['count']} · t{g['template_id']} · {g['region']}[/]",
+            layout_text(by_id[g["ids"][0]]),
+            f"{g['throughput']:,.0f}",
+            _money(g["cost_per_hour"]),
+        )
+    return [serving, instances]
+
+
+def print_plan(plan: Plan, console: Console | None = None) -> None:
+    """Print a plan's serving and instance tables (and solver status) to the terminal."""
+    console = console or Console()
+    for table in plan_tables(plan):
+        console.print(table)
+    sv = plan.solve
+    gap = f", gap {sv.gap:.2%}" if sv.gap else ""
+    console.print(f"solver: {sv.status} in {sv.time_s:.2f} s{gap}; penalty {_money(plan.penalty_per_hour)}")
+    for note in sv.notes:
+        console.print(f"[yellow]note:[/] {note}")
+
+
+def print_comparison(plan: Plan, baselines: Sequence[Plan], console: Console | None = None) -> None:
+    """Cost per model and total per method, with the ratio baseline / plan."""
+    console = console or Console()
+    cmp = comparison(plan, baselines)
+    table = Table(title="Comparison with baselines")
+    table.add_column("method")
+    for col in [*cmp["models"], "served", "total", f"vs {plan.method}"]:
+        table.add_column(col, justify="right")
+    for r in cmp["rows"]:
+        ratio = "–" if r["ratio"] is None else f"{r['ratio']:.2f}×"
+        table.add_row(
+            r["method"],
+            *(_money(r["by_model"][m]) for m in cmp["models"]),
+            f"{r['min_served_fraction']:.1%}",
+            _money(r["cost_per_hour"]),
+            ratio,
+        )
+    console.print(table)
+
+
+def print_inputs(inputs: ReportInputs, default_method: str = "", console: Console | None = None) -> None:
+    """Per-epoch series and latency-vs-SLO tables of an experiment or simulation."""
+    console = console or Console()
+    if inputs.epochs:
+        table = Table(title="Per epoch")
+        table.add_column("method")
+        for col in ("epoch", "cost", "goodput tok/s", "churn"):
+            table.add_column(col, justify="right")
+        for p in sorted(inputs.epochs, key=lambda p: (p.method or default_method, p.epoch)):
+            table.add_row(
+                p.method or default_method,
+                str(p.epoch),
+                _money(p.cost_per_hour),
+                f"{p.goodput:,.0f}",
+                f"{p.churn:g}",
+            )
+        console.print(table)
+    charts = latency_charts(inputs.latency)
+    if charts:
+        table = Table(title="Latency against SLOs (ms)")
+        for col in ("model", "metric"):
+            table.add_column(col)
+        for col in ("n", "p50", "p90", "p99", "SLO", "within SLO"):
+            table.add_column(col, justify="right")
+        for c in charts:
+            att = c["attainment"]
+            table.add_row(
+                c["model"],
+                c["metric"].upper(),
+                str(c["n"]),
+                *(f"{c[q]:,.1f}" for q in ("p50", "p90", "p99")),
+                "–" if c["slo_ms"] is None else f"{c['slo_ms']:,.0f}",
+                "–" if att is None else (f"[red]{att:.1%}[/]" if att < 0.99 else f"{att:.1%}"),
+            )
+        console.print(table)
+
+
+def progress(console: Console | None = None, transient: bool = False) -> Progress:
+    """The project's progress bar (description, bar, done/total, elapsed) for builds, simulations and sweeps:
+
+    with progress() as bar:
+        task = bar.add_task("templates", total=n)
+        ...; bar.advance(task)
+    """
+    return Progress(
+        SpinnerColumn(),
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        transient=transient,
+    )

@@ -1,0 +1,349 @@
+"""The view model: one JSON-able dict holding every number the report page and the live dashboard render.
+
+The page's JavaScript only formats and draws; all sums, ratios, quantiles and splits are computed here so
+tests can check them against the plan without a browser.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections import defaultdict
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from pydantic import BaseModel
+
+from coral.allocation.plan import Plan, PlanInstance
+from coral.catalog.loader import Catalog, builtin_catalog
+from coral.catalog.schema import parse_config_name
+from coral.report.adapters import as_inputs
+from coral.report.inputs import (
+    MAX_CDF_POINTS,
+    EpochPoint,
+    LatencySeries,
+    ReportInputs,
+    adapt_inputs,
+    cdf_at,
+    cdf_points,
+    quantile,
+)
+from coral.simulation.metrics import SimResult
+
+VIEW_VERSION = 1
+# Dark enough for white labels; indexed by catalog GPU order, so a GPU type keeps its colour across reports.
+PALETTE = (
+    "#1B9E9E", "#D55E00", "#009E73", "#CC79A7", "#6A3D9A", "#B8860B", "#0072B2", "#8C564B",
+    "#E7298A", "#4D4D4D", "#66A61E", "#A6761D",
+)  # fmt: skip
+
+
+def gpu_of(config: str) -> str:
+    """'4xL40S' -> 'L40S' (the config name itself when it does not parse)."""
+    try:
+        return parse_config_name(config)[0]
+    except ValueError:
+        return config
+
+
+def gpus_in(config: str) -> int:
+    try:
+        return parse_config_name(config)[1]
+    except ValueError:
+        return 1
+
+
+def gpu_colors(gpus: Iterable[str], catalog: Catalog | None = None) -> dict[str, str]:
+    """A stable colour per GPU type: by catalog order for known GPUs, by name hash otherwise."""
+    known = list((catalog or builtin_catalog()).gpus)
+    out = {}
+    for g in sorted(set(gpus)):
+        idx = known.index(g) if g in known else zlib.crc32(g.encode())
+        out[g] = PALETTE[idx % len(PALETTE)]
+    return out
+
+
+def gpu_cost_split(inst: PlanInstance, catalog: Catalog) -> dict[str, float]:
+    """Split an instance's $/h over its GPU types by catalog node prices (by GPU count if a price is missing)."""
+    prices = catalog.prices(inst.region)
+    if all(c in prices for c in inst.counts):
+        weights = {c: prices[c] * n for c, n in inst.counts.items()}
+    else:
+        weights = {c: float(gpus_in(c) * n) for c, n in inst.counts.items()}
+    total = sum(weights.values())
+    out: dict[str, float] = defaultdict(float)
+    for c, w in weights.items():
+        out[gpu_of(c)] += inst.cost_per_hour * (w / total if total > 0 else 1.0 / len(weights))
+    return dict(out)
+
+
+def _bars(totals: Mapping[str, float]) -> list[dict[str, Any]]:
+    return [{"label": k, "value": v} for k, v in sorted(totals.items(), key=lambda kv: (-kv[1], kv[0]))]
+
+
+def cost_breakdowns(plan: Plan, catalog: Catalog) -> dict[str, list[dict[str, Any]]]:
+    """$/h by model, phase, region and GPU type; each list sums to the instances' total cost."""
+    by: dict[str, dict[str, float]] = {k: defaultdict(float) for k in ("model", "phase", "region", "gpu")}
+    for inst in plan.instances:
+        by["model"][inst.model] += inst.cost_per_hour
+        by["phase"][inst.phase] += inst.cost_per_hour
+        by["region"][inst.region] += inst.cost_per_hour
+        for g, c in gpu_cost_split(inst, catalog).items():
+            by["gpu"][g] += c
+    return {f"by_{k}": _bars(v) for k, v in by.items()}
+
+
+def _group_key(inst: PlanInstance) -> tuple[str, str, str, int, str]:
+    layout = "|".join(f"{s.first_layer}:{s.layers}:{','.join(s.nodes)}" for s in inst.stages)
+    return (inst.model, inst.phase, inst.region, inst.template_id, layout)
+
+
+def instance_groups(plan: Plan) -> list[dict[str, Any]]:
+    """Identical instances (same model, phase, region, template, layout) drawn once with a count."""
+    groups: dict[tuple[str, str, str, int, str], list[PlanInstance]] = {}
+    for inst in plan.instances:
+        groups.setdefault(_group_key(inst), []).append(inst)
+    out = []
+    for (model, phase, region, template_id, _), insts in sorted(groups.items(), key=lambda kv: kv[0][:4]):
+        first = insts[0]
+        out.append(
+            {
+                "model": model,
+                "phase": phase,
+                "region": region,
+                "template_id": template_id,
+                "count": len(insts),
+                "ids": [i.id for i in insts],
+                "throughput": first.throughput,
+                "cost_per_hour": first.cost_per_hour,
+                "total_cost_per_hour": sum(i.cost_per_hour for i in insts),
+                "heterogeneous": first.heterogeneous,
+                "n_nodes": first.n_nodes,
+                "counts": dict(sorted(first.counts.items())),
+                "stages": [
+                    {
+                        "index": k,
+                        "first_layer": s.first_layer,
+                        "last_layer": s.first_layer + s.layers - 1,
+                        "layers": s.layers,
+                        "nodes": [
+                            {
+                                "config": c,
+                                "gpu": gpu_of(c),
+                                "gpus": gpus_in(c),
+                                "throughput": s.node_throughput[j] if j < len(s.node_throughput) else None,
+                            }
+                            for j, c in enumerate(s.nodes)
+                        ],
+                    }
+                    for k, s in enumerate(first.stages)
+                ],
+            }
+        )
+    return out
+
+
+def summary(plan: Plan) -> dict[str, Any]:
+    n_nodes = sum(i.n_nodes for i in plan.instances)
+    n_gpus = sum(gpus_in(c) * n for i in plan.instances for c, n in i.counts.items())
+    return {
+        "scenario": plan.scenario,
+        "method": plan.method,
+        "mode": plan.mode,
+        "demand_scale": plan.demand_scale,
+        "cost_per_hour": plan.cost_per_hour,
+        "penalty_per_hour": plan.penalty_per_hour,
+        "instances_cost_per_hour": sum(i.cost_per_hour for i in plan.instances),
+        "n_instances": len(plan.instances),
+        "n_heterogeneous": sum(1 for i in plan.instances if i.heterogeneous),
+        "n_nodes": n_nodes,
+        "n_gpus": n_gpus,
+        "min_served_fraction": min((s.served_fraction for s in plan.serving), default=1.0),
+        "created_at": plan.created_at,
+        "solve": plan.solve.model_dump(mode="json"),
+    }
+
+
+def serving_rows(plan: Plan) -> list[dict[str, Any]]:
+    return [
+        {**s.model_dump(mode="json"), "n_instances": len(plan.instances_of(s.model, s.phase))}
+        for s in sorted(plan.serving, key=lambda s: (s.model, s.phase))
+    ]
+
+
+def _model_costs(plan: Plan) -> dict[str, float]:
+    out: dict[str, float] = defaultdict(float)
+    for inst in plan.instances:
+        out[inst.model] += inst.cost_per_hour
+    return dict(out)
+
+
+def comparison(plan: Plan, baselines: Sequence[Plan]) -> dict[str, Any]:
+    """Plan vs baselines: total $/h, ratio baseline/plan (>1: the plan is cheaper), served fraction, per model."""
+    methods = [plan, *baselines]
+    models = sorted(
+        {m for p in methods for m in _model_costs(p)} | {s.model for p in methods for s in p.serving}
+    )
+    rows = []
+    for p in methods:
+        costs = _model_costs(p)
+        rows.append(
+            {
+                "method": p.method,
+                "cost_per_hour": p.cost_per_hour,
+                "ratio": p.cost_per_hour / plan.cost_per_hour if plan.cost_per_hour > 0 else None,
+                "min_served_fraction": min((s.served_fraction for s in p.serving), default=1.0),
+                "by_model": {m: costs.get(m, 0.0) for m in models},
+            }
+        )
+    return {"models": models, "rows": rows}
+
+
+def epoch_series(points: Sequence[EpochPoint], default_method: str) -> list[dict[str, Any]]:
+    """Per-epoch points grouped into one series per method, sorted by epoch."""
+    series: dict[str, list[EpochPoint]] = defaultdict(list)
+    for p in points:
+        series[p.method or default_method].append(p)
+    return [
+        {
+            "method": m,
+            "points": [
+                p.model_dump(include={"epoch", "cost_per_hour", "goodput", "churn"})
+                for p in sorted(pts, key=lambda p: p.epoch)
+            ],
+        }
+        for m, pts in sorted(series.items(), key=lambda kv: (kv[0] != default_method, kv[0]))
+    ]
+
+
+def latency_charts(
+    latency: Mapping[str, LatencySeries], max_points: int = MAX_CDF_POINTS
+) -> list[dict[str, Any]]:
+    """One CDF chart per (model, metric); quantiles and SLO attainment (unless given exactly) from the full series."""
+    charts = []
+    for model in sorted(latency):
+        lat = latency[model]
+        for metric, series, slo, exact in (
+            ("ttft", lat.ttft_ms, lat.slo_ttft_ms, lat.ttft_attainment),
+            ("tpot", lat.tpot_ms, lat.slo_tpot_ms, lat.tpot_attainment),
+        ):
+            full = cdf_points(series)
+            if not full:
+                continue
+            if exact is None and slo is not None:
+                exact = cdf_at(full, slo)
+            charts.append(
+                {
+                    "model": model,
+                    "metric": metric,
+                    "slo_ms": slo,
+                    "attainment": exact,
+                    "p50": quantile(full, 0.5),
+                    "p90": quantile(full, 0.9),
+                    "p99": quantile(full, 0.99),
+                    "n": lat.count if lat.count is not None else len(series),
+                    "points": cdf_points(series, max_points),
+                }
+            )
+    return charts
+
+
+def _f(rec: Mapping[str, Any], *keys: str) -> float:
+    """The first of `keys` present in `rec` as a float (0 when absent or not a number)."""
+    for key in keys:
+        if rec.get(key) is not None:
+            try:
+                return float(rec[key])
+            except (TypeError, ValueError):
+                return 0.0
+    return 0.0
+
+
+def live_section(plan: Plan | None, instances: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
+    """Runtime state: instance rows, counts per state, and the traffic split (weight share) per model/phase.
+
+    Rows are {id, state, inflight, requests, weight}; the gateway's `served` and `target_share` stand in for
+    `requests` and `weight` when those are absent.
+    """
+    known = {i.id: i for i in plan.instances} if plan else {}
+    rows: list[dict[str, Any]] = []
+    for rec in instances:
+        if not isinstance(rec, Mapping):
+            continue
+        iid = str(rec.get("id", "?"))
+        inst = known.get(iid)
+        state = str(rec.get("state") or "unknown").lower()
+        rows.append(
+            {
+                "id": iid,
+                "model": inst.model if inst else str(rec.get("model", "?")),
+                "phase": inst.phase if inst else str(rec.get("phase", "?")),
+                "state": state,
+                "inflight": _f(rec, "inflight"),
+                "requests": _f(rec, "requests", "served"),
+                "weight": _f(rec, "weight", "target_share"),
+            }
+        )
+    states: dict[str, int] = defaultdict(int)
+    for r in rows:
+        states[r["state"]] += 1
+    split: dict[tuple[str, str], list[dict[str, Any]]] = defaultdict(list)
+    for r in rows:
+        split[(r["model"], r["phase"])].append(r)
+    traffic = []
+    for (model, phase), rs in sorted(split.items()):
+        total = sum(r["weight"] for r in rs)
+        traffic.append(
+            {
+                "model": model,
+                "phase": phase,
+                "shares": [{"id": r["id"], "share": r["weight"] / total if total > 0 else 0.0} for r in rs],
+            }
+        )
+    return {
+        "instances": sorted(rows, key=lambda r: (r["model"], r["phase"], r["id"])),
+        "states": dict(sorted(states.items())),
+        "traffic": traffic,
+        "total_inflight": sum(r["inflight"] for r in rows),
+        "total_requests": sum(r["requests"] for r in rows),
+    }
+
+
+def view_model(
+    plan: Plan,
+    *,
+    baselines: Sequence[Plan] = (),
+    sim: SimResult | ReportInputs | BaseModel | Mapping[str, Any] | None = None,
+    epochs: Sequence[EpochPoint | Mapping[str, Any]] | None = None,
+    live: Iterable[Mapping[str, Any]] | None = None,
+    catalog: Catalog | None = None,
+) -> dict[str, Any]:
+    """Everything the page renders, as plain JSON types.
+
+    `sim` carries latency (and maybe epochs): a SimResult or ReportInputs (or their dicts), see
+    `coral.report.inputs`; `epochs` adds per-epoch points;
+    `live` is the runtime's instance list [{id, state, inflight, requests, weight}] for the dashboard.
+    `notes` are warnings shown prominently; the solver's own notes stay in `summary.solve.notes`.
+    """
+    catalog = catalog or builtin_catalog()
+    inputs = as_inputs(sim)
+    if epochs:
+        inputs = inputs.merged(adapt_inputs({"epochs": list(epochs)}, "epochs"))
+    gpus = {gpu_of(c) for p in (plan, *baselines) for i in p.instances for c in i.counts}
+    notes = []
+    total = sum(i.cost_per_hour for i in plan.instances)
+    if abs(total - plan.cost_per_hour) > 1e-6 * max(1.0, plan.cost_per_hour):
+        notes.append(f"instances add up to ${total:.2f}/h but the plan states ${plan.cost_per_hour:.2f}/h")
+    return {
+        "version": VIEW_VERSION,
+        "title": f"Coral plan — {plan.scenario} ({plan.method})",
+        "summary": summary(plan),
+        "gpu_colors": gpu_colors(gpus, catalog),
+        "serving": serving_rows(plan),
+        "costs": cost_breakdowns(plan, catalog),
+        "instance_groups": instance_groups(plan),
+        "comparison": comparison(plan, baselines) if baselines else None,
+        "epochs": epoch_series(inputs.epochs, plan.method),
+        "latency": latency_charts(inputs.latency),
+        "live": live_section(plan, live) if live is not None else None,
+        "notes": notes,
+    }

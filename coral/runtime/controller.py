@@ -1,0 +1,362 @@
+"""Controller: keeps the running instances equal to the plan, through a backend, with state in SQLite.
+
+Every `interval_s` (or on `/replan`) it asks the planner for a plan, stores it as the desired state, and
+reconciles by instance id: missing instances are started (the intent is written before the backend call),
+waited for on `/health` and registered in the gateway as ready; surplus instances are set draining in the
+gateway (no new requests), stopped once their in-flight count reaches 0 (or after `drain_timeout_s`) and
+removed. Desired instances, observed instances with their state and handle, and an action log live in one
+SQLite file, so a restarted controller re-registers the instances that survived, and finishes pending
+starts and drains (their action rows are completed, not duplicated).
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+from fastapi import APIRouter, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import JSONResponse
+
+from coral.allocation.plan import Plan, PlanInstance
+from coral.catalog.loader import CoralInputError, validate
+from coral.runtime.backends import Backend, Handle
+from coral.runtime.registry import Endpoint, InstanceState, Registry
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta(key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS desired(id TEXT PRIMARY KEY, spec TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS observed(
+  id TEXT PRIMARY KEY, spec TEXT NOT NULL, state TEXT NOT NULL, handle TEXT NOT NULL, updated REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS actions(
+  seq INTEGER PRIMARY KEY AUTOINCREMENT, ts REAL NOT NULL, kind TEXT NOT NULL, instance_id TEXT NOT NULL,
+  status TEXT NOT NULL, detail TEXT NOT NULL DEFAULT '');
+"""
+ACTIVE = ("starting", "ready", "draining")
+
+
+class Store:
+    """Desired plan, observed instances and the action log in one SQLite file (thread-safe)."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
+        self.db.execute("PRAGMA journal_mode=WAL")
+        self.db.executescript(SCHEMA)
+        self.lock = threading.RLock()
+
+    def close(self) -> None:
+        self.db.close()
+
+    def set_plan(self, plan: Plan) -> None:
+        with self.lock:
+            self.db.execute("BEGIN")
+            self.db.execute("INSERT OR REPLACE INTO meta VALUES ('plan', ?)", (plan.model_dump_json(),))
+            self.db.execute("DELETE FROM desired")
+            self.db.executemany(
+                "INSERT INTO desired VALUES (?, ?)", [(i.id, i.model_dump_json()) for i in plan.instances]
+            )
+            self.db.execute("COMMIT")
+
+    def plan(self) -> Plan | None:
+        with self.lock:
+            row = self.db.execute("SELECT value FROM meta WHERE key='plan'").fetchone()
+        return Plan.model_validate_json(row[0]) if row else None
+
+    def desired(self) -> dict[str, PlanInstance]:
+        with self.lock:
+            rows = self.db.execute("SELECT id, spec FROM desired ORDER BY id").fetchall()
+        return {i: PlanInstance.model_validate_json(s) for i, s in rows}
+
+    def observed(self, states: tuple[str, ...] = ACTIVE) -> dict[str, tuple[PlanInstance, str, Handle]]:
+        marks = ",".join("?" * len(states))
+        with self.lock:
+            rows = self.db.execute(
+                f"SELECT id, spec, state, handle FROM observed WHERE state IN ({marks}) ORDER BY id", states
+            ).fetchall()
+        return {i: (PlanInstance.model_validate_json(s), st, json.loads(h)) for i, s, st, h in rows}
+
+    def observe(self, inst: PlanInstance, state: str, handle: Handle) -> None:
+        with self.lock:
+            self.db.execute(
+                "INSERT OR REPLACE INTO observed VALUES (?, ?, ?, ?, ?)",
+                (inst.id, inst.model_dump_json(), state, json.dumps(handle), time.time()),
+            )
+
+    def begin(self, kind: str, instance_id: str) -> int:
+        """The pending action (kind, instance) left by a previous run, or a new one."""
+        with self.lock:
+            row = self.db.execute(
+                "SELECT seq FROM actions WHERE kind=? AND instance_id=? AND status='pending'",
+                (kind, instance_id),
+            ).fetchone()
+            if row:
+                return int(row[0])
+            cur = self.db.execute(
+                "INSERT INTO actions(ts, kind, instance_id, status) VALUES (?, ?, ?, 'pending')",
+                (time.time(), kind, instance_id),
+            )
+            return int(cur.lastrowid or 0)
+
+    def finish(self, seq: int, status: str, detail: str = "") -> None:
+        with self.lock:
+            self.db.execute(
+                "UPDATE actions SET status=?, detail=?, ts=? WHERE seq=?", (status, detail, time.time(), seq)
+            )
+
+    def actions(self, limit: int = 50) -> list[dict[str, Any]]:
+        with self.lock:
+            rows = self.db.execute(
+                "SELECT seq, ts, kind, instance_id, status, detail FROM actions ORDER BY seq DESC LIMIT ?",
+                (limit,),
+            ).fetchall()
+        keys = ("seq", "ts", "kind", "instance_id", "status", "detail")
+        return [dict(zip(keys, r, strict=True)) for r in rows]
+
+
+class Controller:
+    """Reconciles the backend's instances with the planner's plan; see the module docstring."""
+
+    def __init__(
+        self,
+        store: Store,
+        backend: Backend,
+        registry: Registry,
+        planner: Callable[[], Plan] | None = None,
+        interval_s: float = 60.0,
+        drain_timeout_s: float = 60.0,
+        ready_timeout_s: float = 60.0,
+    ) -> None:
+        self.store = store
+        self.backend = backend
+        self.registry = registry
+        self.planner = planner
+        self.interval_s = interval_s
+        self.drain_timeout_s = drain_timeout_s
+        self.ready_timeout_s = ready_timeout_s
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._plan_on_wake = True
+        self.last_error = ""
+        self.resume()
+
+    # --- state transitions --------------------------------------------------------------------------
+    def resume(self) -> None:
+        """Re-register the instances a previous run left running; forget the ones that died meanwhile."""
+        for iid, (inst, state, handle) in self.store.observed().items():
+            if handle.get("url") and self.backend.alive(iid, handle):
+                if state != "starting":
+                    self._register(inst, handle, InstanceState(state))
+            elif state != "starting":
+                seq = self.store.begin("lost", iid)
+                self.store.observe(inst, "stopped", handle)
+                self.store.finish(seq, "done", "not running after controller restart")
+
+    def _register(self, inst: PlanInstance, handle: Handle, state: InstanceState) -> None:
+        self.registry.add(Endpoint(inst.id, inst.model, inst.phase, handle["url"], inst.throughput, state))
+
+    def _wait_ready(self, url: str) -> bool:
+        deadline = time.monotonic() + self.ready_timeout_s
+        with httpx.Client(timeout=1.0) as client:
+            while time.monotonic() < deadline and not self._stop.is_set():
+                try:
+                    if client.get(f"{url}/health").status_code == 200:
+                        return True
+                except httpx.HTTPError:
+                    pass
+                time.sleep(0.05)
+        return False
+
+    def start_instance(self, inst: PlanInstance) -> None:
+        seq = self.store.begin("start", inst.id)
+        self.store.observe(inst, "starting", {})
+        try:
+            handle = self.backend.start(inst)
+        except Exception as exc:
+            self.store.observe(inst, "stopped", {})
+            self.store.finish(seq, "failed", f"{type(exc).__name__}: {exc}")
+            return
+        self.store.observe(inst, "starting", handle)
+        if not self._wait_ready(handle["url"]):
+            self.backend.stop(inst.id, handle)
+            self.store.observe(inst, "stopped", handle)
+            self.store.finish(seq, "failed", f"not healthy within {self.ready_timeout_s:.0f} s")
+            return
+        self._register(inst, handle, InstanceState.READY)
+        self.store.observe(inst, "ready", handle)
+        self.store.finish(seq, "done", handle["url"])
+
+    def drain_instance(self, inst: PlanInstance, handle: Handle) -> None:
+        seq = self.store.begin("drain", inst.id)
+        self.store.observe(inst, "draining", handle)
+        self.registry.set_state(inst.id, InstanceState.DRAINING)
+        deadline = time.monotonic() + self.drain_timeout_s
+        ep = self.registry.get(inst.id)
+        while ep is not None and ep.inflight > 0 and time.monotonic() < deadline and not self._stop.is_set():
+            time.sleep(0.02)
+        left = ep.inflight if ep is not None else 0
+        self.backend.stop(inst.id, handle)
+        self.registry.remove(inst.id)
+        self.store.observe(inst, "stopped", handle)
+        self.store.finish(seq, "done", f"stopped with {left} in flight" if left else "drained")
+
+    def reconcile(self) -> dict[str, list[str]]:
+        """One pass: start what is missing (scale-ups first), then drain and stop what is surplus."""
+        with self._lock:
+            desired = self.store.desired()
+            observed = self.store.observed()
+            started, stopped = [], []
+            for iid, inst in desired.items():
+                obs = observed.get(iid)
+                if obs is None or obs[1] == "starting" or not self.backend.alive(iid, obs[2]):
+                    self.start_instance(inst)  # new, interrupted start, or died while planned: (re)start
+                    started.append(iid)
+                elif obs[1] == "draining":  # back in the plan before its drain finished
+                    self.registry.set_state(iid, InstanceState.READY)
+                    self.store.observe(inst, "ready", obs[2])
+            for iid, (inst, _state, handle) in observed.items():
+                if iid not in desired:
+                    self.drain_instance(inst, handle)
+                    stopped.append(iid)
+            return {"started": started, "stopped": stopped}
+
+    def set_plan(self, plan: Plan) -> None:
+        self.store.set_plan(plan)
+
+    def replan(self) -> dict[str, list[str]]:
+        """Ask the planner (if any) for a new plan, then reconcile."""
+        if self.planner is not None:
+            self.set_plan(self.planner())
+        return self.reconcile()
+
+    # --- loop ---------------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        plan_next = True
+        while not self._stop.is_set():
+            try:
+                if plan_next and self.planner is not None:
+                    self.set_plan(self.planner())
+                self.reconcile()
+                self.last_error = ""
+            except Exception as exc:  # keep reconciling: the error is shown in /state
+                self.last_error = f"{type(exc).__name__}: {exc}"
+            woke = self._wake.wait(self.interval_s)
+            self._wake.clear()
+            plan_next, self._plan_on_wake = (not woke or self._plan_on_wake), True
+
+    def start(self) -> Controller:
+        self._thread = threading.Thread(target=self._loop, name="coral-controller", daemon=True)
+        self._thread.start()
+        return self
+
+    def trigger(self, plan: bool = True) -> None:
+        """Wake the loop now; `plan=False` reconciles the stored plan without asking the planner."""
+        self._plan_on_wake = plan
+        self._wake.set()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+
+    def state(self, gateway_state: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The runtime state read by `/state`, `coral status` and the dashboard (`coral.report.dashboard`):
+
+        {"plan": Plan JSON | None,
+         "instances": [{id, model, phase, region, template_id, counts, throughput, cost_per_hour,
+                        desired, state (pending|starting|ready|draining), url,
+                        healthy, weight, inflight, served, failed, target_share, observed_share}],
+         "traffic": {model: {phase: {instance id: observed share}}},
+         "latency": {model: {count, p50_ms, p99_ms, ttft_p50_ms, ttft_p99_ms}},
+         "queue": {waiting, active}, "actions": [{seq, ts, kind, instance_id, status, detail}] (newest
+         first), "last_error": str, "updated_at": unix seconds}
+        """
+        plan = self.store.plan()
+        desired = self.store.desired()
+        observed = self.store.observed(("starting", "ready", "draining", "stopped"))
+        gw = gateway_state or {"instances": [], "latency": {}, "queue": {}}
+        live = {e["id"]: e for e in gw["instances"]}
+        instances: list[dict[str, Any]] = []
+        for iid in sorted(set(desired) | {i for i, o in observed.items() if o[1] != "stopped"}):
+            inst = desired.get(iid) or observed[iid][0]
+            obs = observed.get(iid)
+            row: dict[str, Any] = {
+                "id": iid,
+                "model": inst.model,
+                "phase": inst.phase,
+                "region": inst.region,
+                "template_id": inst.template_id,
+                "counts": inst.counts,
+                "throughput": inst.throughput,
+                "cost_per_hour": inst.cost_per_hour,
+                "desired": iid in desired,
+                "state": obs[1] if obs else "pending",
+                "url": obs[2].get("url", "") if obs else "",
+            }
+            g = live.get(iid, {})
+            for k in ("healthy", "weight", "inflight", "served", "failed", "target_share", "observed_share"):
+                row[k] = g.get(k, 0 if k != "healthy" else False)
+            instances.append(row)
+        traffic: dict[str, dict[str, dict[str, float]]] = {}
+        for r in instances:
+            traffic.setdefault(r["model"], {}).setdefault(r["phase"], {})[r["id"]] = r["observed_share"]
+        return {
+            "plan": plan.model_dump(mode="json") if plan is not None else None,
+            "instances": instances,
+            "traffic": traffic,
+            "latency": gw.get("latency", {}),
+            "queue": gw.get("queue", {}),
+            "actions": self.store.actions(),
+            "last_error": self.last_error,
+            "updated_at": time.time(),
+        }
+
+
+def controller_router(
+    controller: Controller, gateway_state: Callable[[], dict[str, Any]] | None = None
+) -> APIRouter:
+    """`GET /state` and `POST /replan` (optional body: a plan JSON to adopt; `?wait=true` reconciles now)."""
+    router = APIRouter()
+
+    def snapshot() -> dict[str, Any]:
+        return controller.state(gateway_state() if gateway_state else None)
+
+    @router.get("/state")
+    async def state() -> dict[str, Any]:
+        return snapshot()
+
+    @router.post("/replan")
+    async def replan(request: Request, wait: bool = False) -> Any:
+        raw = await request.body()
+        if raw.strip():
+            try:
+                plan = validate(Plan, json.loads(raw), "POST /replan body")
+            except (CoralInputError, ValueError) as exc:
+                return JSONResponse({"error": {"message": str(exc), "type": "invalid_request_error"}}, 400)
+            controller.set_plan(plan)
+            if wait:
+                await run_in_threadpool(controller.reconcile)
+            else:
+                controller.trigger(plan=False)
+        elif wait:
+            await run_in_threadpool(controller.replan)
+        else:
+            controller.trigger()
+        return snapshot()
+
+    return router
+
+
+def runtime_state_provider(controller: Controller, gateway: Any) -> Callable[[], dict[str, Any]]:
+    """Zero-argument callable returning `Controller.state` merged with the gateway's counters (dashboard)."""
+    return lambda: controller.state(gateway.state())

@@ -1,0 +1,271 @@
+"""Emulated engine: a real OpenAI-compatible HTTP server per instance whose timing follows the perf model.
+
+Prefill runs in steps, each over all prompts waiting (continuous batching), lasting the prefill step time of
+the instance's pipeline (sum over stages) for that many tokens; the delay between tokens is the decode step
+time at the current number of active sequences. `time_scale`
+multiplies every sleep (0 = as fast as possible). Tokens are deterministic: a function of the prompt and
+the position. The engine speaks vLLM's disaggregated-prefill protocol: a request carrying
+`kv_transfer_params.do_remote_decode` is prefilled only and answers with the `kv_transfer_params` a decode
+instance needs; a request carrying `kv_transfer_params.do_remote_prefill` skips the prefill.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+import zlib
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from coral.allocation.plan import PlanInstance
+from coral.catalog.loader import Catalog, builtin_catalog
+from coral.catalog.schema import ModelArch
+from coral.perf.model import PerfModel, Phase, Workload
+from coral.perf.roofline import RooflineModel
+
+VOCAB = ("the", "cat", "sat", "on", "a", "warm", "mat", "and", "dreamt", "of", "fish", "in", "blue", "seas")
+
+
+@dataclass(frozen=True)
+class EngineTiming:
+    """Seconds to prefill `prompt_tokens`, and per decode step at `active` sequences."""
+
+    prefill_s: Callable[[int], float]
+    decode_step_s: Callable[[int, int], float]
+
+    @classmethod
+    def constant(cls, ttft_s: float = 0.0, itl_s: float = 0.0) -> EngineTiming:
+        return cls(prefill_s=lambda _n: ttft_s, decode_step_s=lambda _a, _c: itl_s)
+
+    @classmethod
+    def from_instance(
+        cls,
+        instance: PlanInstance,
+        model_arch: ModelArch,
+        catalog: Catalog,
+        perf: PerfModel | RooflineModel,
+        output_tokens: float = 128,
+    ) -> EngineTiming:
+        """Pipeline timing of `instance`: stages run one after another for one request (first node of each)."""
+        stages = [(catalog.node_config(s.nodes[0]), s.layers) for s in instance.stages]
+
+        def prefill(n: int) -> float:
+            w = Workload(input_tokens=max(n, 1), output_tokens=output_tokens)
+            return float(
+                sum(perf.step_time(model_arch, Phase.PREFILL, nd, j, max(n, 1), w) for nd, j in stages)
+            )
+
+        def decode(active: int, context: int) -> float:
+            w = Workload(input_tokens=max(context, 1), output_tokens=1)
+            b = max(active, 1)
+            return float(sum(perf.step_time(model_arch, Phase.DECODE, nd, j, b, w) for nd, j in stages))
+
+        return cls(prefill_s=prefill, decode_step_s=decode)
+
+
+def prompt_text(body: dict[str, Any]) -> str:
+    """The prompt of a completions request or the concatenated messages of a chat request."""
+    if "messages" in body:
+        parts = []
+        for m in body.get("messages") or []:
+            c = m.get("content", "") if isinstance(m, dict) else ""
+            parts.append(c if isinstance(c, str) else json.dumps(c))
+        return "\n".join(parts)
+    p = body.get("prompt", "")
+    return p if isinstance(p, str) else " ".join(map(str, p))
+
+
+def count_tokens(text: str) -> int:
+    return max(1, len(text.split()))
+
+
+def token_text(prompt: str, i: int) -> str:
+    return " " + VOCAB[(zlib.crc32(prompt.encode()) + i) % len(VOCAB)]
+
+
+def max_tokens_of(body: dict[str, Any]) -> int:
+    n = body.get("max_completion_tokens", body.get("max_tokens", 16))
+    return max(1, int(n if n is not None else 16))
+
+
+@dataclass
+class EngineState:
+    instance_id: str
+    model: str
+    phase: str
+    active: int = 0
+    served: int = 0
+    prefills: int = 0
+    prefill_steps: int = 0
+
+
+class PrefillBatcher:
+    """Prefill as the engine schedules it: one step at a time, each over every prompt waiting (up to
+    `max_tokens` tokens), lasting the perf model's step time for that batch of tokens."""
+
+    def __init__(
+        self, step_s: Callable[[int], float], time_scale: float, st: EngineState, max_tokens: int = 8192
+    ):
+        self.step_s = step_s
+        self.time_scale = time_scale
+        self.st = st
+        self.max_tokens = max_tokens
+        self.queue: asyncio.Queue[tuple[int, asyncio.Future[None]]] | None = None
+        self.task: asyncio.Task[None] | None = None
+
+    async def prefill(self, n_tokens: int) -> None:
+        if self.time_scale <= 0:
+            self.st.prefill_steps += 1
+            return
+        if self.queue is None:
+            self.queue = asyncio.Queue()
+            self.task = asyncio.create_task(self._loop(self.queue))
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        await self.queue.put((n_tokens, fut))
+        await fut
+
+    async def _loop(self, queue: asyncio.Queue[tuple[int, asyncio.Future[None]]]) -> None:
+        while True:
+            batch = [await queue.get()]
+            total = batch[0][0]
+            while not queue.empty() and total < self.max_tokens:
+                batch.append(queue.get_nowait())
+                total += batch[-1][0]
+            self.st.prefill_steps += 1
+            await asyncio.sleep(self.step_s(total) * self.time_scale)
+            for _, fut in batch:
+                if not fut.done():  # a cancelled request left its future cancelled
+                    fut.set_result(None)
+
+
+def _chunk(chat: bool, rid: str, model: str, text: str, finish: str | None, first: bool) -> dict[str, Any]:
+    choice: dict[str, Any] = {"index": 0, "finish_reason": finish}
+    if chat:
+        choice["delta"] = {"role": "assistant", "content": text} if first else {"content": text}
+        obj = "chat.completion.chunk"
+    else:
+        choice["text"], choice["logprobs"], obj = text, None, "text_completion"
+    return {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": [choice]}
+
+
+def _full(chat: bool, rid: str, model: str, text: str, n_prompt: int, n_out: int) -> dict[str, Any]:
+    if chat:
+        choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text}}
+        obj = "chat.completion"
+    else:
+        choice, obj = {"index": 0, "text": text, "logprobs": None}, "text_completion"
+    choice["finish_reason"] = "length"
+    usage = {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}
+    return {
+        "id": rid,
+        "object": obj,
+        "created": int(time.time()),
+        "model": model,
+        "choices": [choice],
+        "usage": usage,
+    }
+
+
+def create_engine_app(
+    instance_id: str, model: str, phase: str, timing: EngineTiming, time_scale: float = 1.0
+) -> FastAPI:
+    """FastAPI app of one emulated instance; its `state.engine` is the `EngineState` (counters for tests)."""
+    app = FastAPI(title=f"coral emulated engine {instance_id}")
+    st = EngineState(instance_id=instance_id, model=model, phase=phase)
+    app.state.engine = st
+    batcher = PrefillBatcher(timing.prefill_s, time_scale, st)
+
+    async def sleep(seconds: float) -> None:
+        if time_scale > 0 and seconds > 0:
+            await asyncio.sleep(seconds * time_scale)
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {"status": "ok", "instance": instance_id, "active": st.active}
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": model, "object": "model", "owned_by": "coral-emulated"}]}
+
+    async def complete(request: Request, chat: bool) -> Any:
+        body = await request.json()
+        if body.get("model") != model:
+            err = {"message": f"model {body.get('model')!r} is not served here ({model})", "type": "NotFound"}
+            return JSONResponse({"error": err}, status_code=404)
+        prompt = prompt_text(body)
+        n_prompt, n_out = count_tokens(prompt), max_tokens_of(body)
+        kv_in = body.get("kv_transfer_params") or {}
+        rid = f"cmpl-{uuid.uuid4().hex[:16]}"
+        headers = {"x-coral-instance": instance_id}
+        st.served += 1
+        if not kv_in.get("do_remote_prefill"):
+            st.prefills += 1
+            st.active += 1
+            try:
+                await batcher.prefill(n_prompt)
+            finally:
+                st.active -= 1
+        if kv_in.get("do_remote_decode"):
+            text = token_text(prompt, 0)
+            out = _full(chat, rid, model, text, n_prompt, 1)
+            out["kv_transfer_params"] = {
+                "do_remote_prefill": True,
+                "do_remote_decode": False,
+                "remote_engine_id": instance_id,
+                "remote_block_ids": list(range((n_prompt + 15) // 16)),
+                "remote_host": request.url.hostname,
+                "remote_port": request.url.port,
+            }
+            return JSONResponse(out, headers=headers)
+
+        async def tokens() -> AsyncIterator[str]:
+            st.active += 1
+            try:
+                for i in range(n_out):
+                    if i:
+                        await sleep(timing.decode_step_s(st.active, n_prompt + i))
+                    yield token_text(prompt, i)
+            finally:
+                st.active -= 1
+
+        if not body.get("stream"):
+            text = "".join([t async for t in tokens()])
+            return JSONResponse(_full(chat, rid, model, text, n_prompt, n_out), headers=headers)
+
+        async def sse() -> AsyncIterator[bytes]:
+            i = 0
+            async for t in tokens():
+                finish = "length" if i == n_out - 1 else None
+                yield f"data: {json.dumps(_chunk(chat, rid, model, t, finish, i == 0))}\n\n".encode()
+                i += 1
+            yield b"data: [DONE]\n\n"
+
+        return StreamingResponse(sse(), media_type="text/event-stream", headers=headers)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Any:
+        return await complete(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Any:
+        return await complete(request, chat=True)
+
+    return app
+
+
+def instance_engine_app(
+    instance: PlanInstance,
+    time_scale: float = 1.0,
+    catalog: Catalog | None = None,
+    perf: PerfModel | RooflineModel | None = None,
+) -> FastAPI:
+    """The emulated engine of a plan instance, timed by the perf model (roofline by default)."""
+    cat = catalog or builtin_catalog()
+    timing = EngineTiming.from_instance(instance, cat.model(instance.model), cat, perf or RooflineModel())
+    return create_engine_app(instance.id, instance.model, instance.phase, timing, time_scale)

@@ -1,0 +1,593 @@
+"""The event loop: PD-disaggregated serving of a plan, request by request.
+
+Prefill: the router picks a prefill instance, the instance one node per stage (smooth weighted round-robin on
+node throughput). Each stage node runs continuous batching with chunked prefill: a step takes queued prompt
+tokens, FCFS, up to the template's planned batch, and lasts the perf model's step time for that many tokens;
+each chunk then queues at the request's next stage node (pipelined). Once the whole prompt has passed the last
+stage the first token is out (TTFT) and the router picks a decode instance.
+
+Decode: a request waits at its decode instance (FIFO) until every node of its path has KV room for it and a
+free batch slot. It is charged its prompt plus half its output ("mean": what a paged KV cache holds for it on
+average over its decode, so the cache's occupancy matches vLLM's without simulating preemption) or its whole
+final context ("max": reserve up front, never preempt). Then its KV cache crosses from prefill to decode nodes
+(per decode stage: attended prompt tokens x KV bytes x the stage's layers over the slower NIC; stages transfer
+in parallel) and it joins the batches of its path. Each token passes the path's S stage nodes: a sequence makes one token per
+sum of its nodes' step times, where a node's step time is that of a micro-batch of ceil(k/S) of the k
+sequences it holds at their mean context (prompt + output/2 each, the perf model's decode context). Step times only change when a batch changes, so instead of one event per step the loop
+jumps from one change to the next (per path: a virtual token clock and a heap of finishing targets) — the
+same arithmetic as stepping, with a joining sequence starting at once rather than at the next step boundary.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+import numpy as np
+
+from coral.allocation.plan import Plan, PlanInstance, SolveReport
+from coral.simulation.kernels import KernelCache, NodeKernel, decode_step
+
+STARTING, READY, DRAINING, STOPPED = 0, 1, 2, 3
+_K_PREFILL, _K_KV, _K_PATH, _K_READY, _K_EPOCH, _K_RETIRE = 0, 1, 2, 3, 4, 5
+_EPS = 1e-7
+T = TypeVar("T")
+
+
+class Stride(Generic[T]):
+    """Smooth weighted round-robin (stride scheduling): item i is picked in proportion to weights[i]."""
+
+    __slots__ = ("heap", "items", "single", "step")
+
+    def __init__(self, items: list[T], weights: list[float]) -> None:
+        w = [x if x > 0 else 0.0 for x in weights]
+        if not any(w):
+            w = [1.0] * len(items)
+        self.items = items
+        self.single = items[0] if len(items) == 1 else None
+        self.step = [1.0 / x if x > 0 else float("inf") for x in w]
+        self.heap = [(self.step[i], i) for i in range(len(items))]
+        heapq.heapify(self.heap)
+
+    def pick(self) -> T:
+        if self.single is not None:
+            return self.single
+        p, i = self.heap[0]
+        heapq.heapreplace(self.heap, (p + self.step[i], i))
+        return self.items[i]
+
+
+class PNode:
+    """A prefill stage node; queue and batch hold [request, prompt tokens still to pass this node]."""
+
+    __slots__ = ("batch", "busy", "busy_time", "cap", "gpus", "inst", "last", "nic", "queue", "stage", "table")
+
+    def __init__(self, k: NodeKernel, inst: Instance, stage: int, n_stages: int) -> None:
+        self.table, self.cap, self.nic, self.gpus, self.inst = k.table, k.cap, k.nic_bytes_s, k.gpus, inst
+        self.stage, self.last = stage, stage == n_stages - 1
+        self.queue: deque[list[int]] = deque()
+        self.batch: list[list[int]] = []
+        self.busy = False
+        self.busy_time = 0.0
+
+
+class DNode:
+    """A decode stage node: k resident sequences, `slots` admitted (resident or receiving KV)."""
+
+    __slots__ = ("busy_time", "cap", "ctx_sum", "dt", "gpus", "inst", "k", "k_area", "kv_cap", "kv_free", "nic",
+                 "paths", "slots", "t_mark", "table")
+
+    def __init__(self, k: NodeKernel, inst: Instance, stage: int, n_stages: int) -> None:
+        self.table, self.cap, self.nic, self.gpus, self.inst = k.ctx_table, k.cap, k.nic_bytes_s, k.gpus, inst
+        self.ctx_sum = 0.0  # decode context (prompt + output/2) summed over resident sequences
+        self.kv_cap = self.kv_free = k.kv_tokens
+        self.k = self.slots = 0
+        self.dt = decode_step(k.ctx_table, 0, 1.0)
+        self.paths: list[Path] = []
+        self.t_mark = 0.0  # time of the last batch change; busy_time and k_area are integrated up to it
+        self.k_area = 0.0
+        self.busy_time = 0.0
+
+
+class Path:
+    """One node per stage of a decode instance; `progress` counts tokens made by each of its sequences."""
+
+    __slots__ = ("heap", "inst", "layers", "nodes", "progress", "rate", "t_last", "version")
+
+    def __init__(self, nodes: tuple[DNode, ...], layers: list[int], inst: Instance) -> None:
+        self.nodes, self.layers, self.inst = nodes, layers, inst
+        self.progress = 0.0
+        self.t_last = 0.0
+        self.rate = 1.0 / sum(n.dt for n in nodes)
+        self.heap: list[tuple[float, int]] = []
+        self.version = 0
+        for n in nodes:
+            n.paths.append(self)
+
+
+class Instance:
+    """A running (or starting / draining) serving instance of a plan."""
+
+    __slots__ = ("cost", "drain_s", "key", "layers", "model", "outstanding", "paths", "phase", "pickers",
+                 "ready_s", "retiring", "spec", "stages", "start_s", "state", "stop_s", "waiting", "weight")
+
+    def __init__(self, spec: PlanInstance, kernels: KernelCache, start_s: float, ready_s: float) -> None:
+        self.spec = spec
+        self.key = (spec.model, spec.phase)
+        self.model, self.phase = spec.model, spec.phase
+        self.weight = spec.throughput
+        self.cost = spec.cost_per_hour
+        self.start_s, self.ready_s = start_s, ready_s
+        self.stop_s = self.drain_s = float("inf")
+        self.state = STARTING
+        self.retiring = False  # removed by a re-plan, serving until its replacements are ready
+        self.outstanding = 0
+        self.waiting: deque[int] = deque()
+        self.paths: dict[tuple[int, ...], Path] = {}
+        s = len(spec.stages)
+        node_cls = PNode if spec.phase == "prefill" else DNode
+        self.stages: list[list[Any]] = [
+            [node_cls(kernels.kernel(spec.model, spec.phase, c, st.layers, s), self, j, s) for c in st.nodes]
+            for j, st in enumerate(spec.stages)
+        ]
+        self.layers = [st.layers for st in spec.stages]
+        self.pickers = [
+            Stride(list(range(len(nodes))), list(st.node_throughput) or [1.0] * len(nodes))
+            for nodes, st in zip(self.stages, spec.stages, strict=True)
+        ]
+
+    def all_nodes(self) -> list[Any]:
+        return [n for st in self.stages for n in st]
+
+    def pick_path(self) -> tuple[int, ...]:
+        return tuple(p.pick() for p in self.pickers)
+
+
+def signature(spec: PlanInstance) -> tuple[Any, ...]:
+    """Instances with equal signatures are interchangeable across re-plans."""
+    stages = tuple((s.layers, tuple(s.nodes)) for s in spec.stages)
+    return (spec.model, spec.phase, spec.region, spec.template_id, stages)
+
+
+@dataclass(frozen=True)
+class ModelDemand:
+    """Demand seen for one model over an epoch window."""
+
+    rate: float
+    prefill_tokens_s: float
+    decode_tokens_s: float
+
+
+@dataclass(frozen=True)
+class ObservedDemand:
+    """What a re-planner sees at the start of an epoch: demand over [start_s, end_s) — the previous epoch (for
+    epoch 0, the scenario's forecast, start_s = end_s = 0) or, with an oracle forecast, the coming one — and
+    the node availability now in force (None = the scenario's own)."""
+
+    epoch: int
+    start_s: float
+    end_s: float
+    models: dict[str, ModelDemand]
+    availability: dict[str, dict[str, int]] | None = None
+
+
+Replanner = Callable[[int, ObservedDemand, Plan | None], Plan]
+
+
+@dataclass
+class Trace:
+    """Everything the loop records, for the metrics stage."""
+
+    instances: list[Instance] = field(default_factory=list)
+    end_s: float = 0.0
+
+
+class Engine:
+    """One simulation run. Requests arrive sorted by time; `model_of[r]` indexes `models`."""
+
+    def __init__(
+        self,
+        kernels: KernelCache,
+        models: list[str],
+        arrival: np.ndarray,
+        model_of: np.ndarray,
+        input_tokens: np.ndarray,
+        output_tokens: np.ndarray,
+        *,
+        router: str,
+        startup_delay_s: float,
+        horizon_s: float,
+        handover: bool = True,
+        kv_reserve: str = "mean",
+    ) -> None:
+        if router not in ("wrr", "lor"):
+            raise ValueError(f"router must be 'wrr' or 'lor', not {router!r}")
+        if kv_reserve not in ("mean", "max"):
+            raise ValueError(f"kv_reserve must be 'mean' or 'max', not {kv_reserve!r}")
+        self.kernels = kernels
+        self.models = models
+        self.router = router
+        self.startup = startup_delay_s
+        self.handover = handover
+        self.horizon = horizon_s
+        n = len(arrival)
+        self.n = n
+        self.arr = arrival.tolist()
+        self.mod = model_of.tolist()
+        self.inp = input_tokens.tolist()
+        self.out = output_tokens.tolist()
+        kv_in = np.zeros(n)
+        kv_res = np.zeros(n)
+        for i, m in enumerate(models):
+            sel = model_of == i
+            if sel.any():
+                kb = kernels.models[m].kv_bytes_per_token_layer
+                kv_in[sel] = kernels.attended(m, input_tokens[sel]) * kb
+                grown = output_tokens[sel] if kv_reserve == "max" else output_tokens[sel] / 2
+                kv_res[sel] = kernels.attended(m, input_tokens[sel] + grown)
+        self.kv_in = kv_in.tolist()  # KV bytes per layer of the prompt
+        self.kv_res = kv_res.tolist()  # KV tokens per layer a request is charged while decoding
+        self.d_ctx = (input_tokens + output_tokens / 2).tolist()  # mean context over its decode
+        self.t_first = [float("nan")] * n
+        self.t_done = [float("nan")] * n
+        self.t_admit = [float("nan")] * n  # decode admission (KV room found, transfer starts)
+        self.done_count = [0] * n
+        self.p_inst: list[Instance | None] = [None] * n
+        self.p_nodes: list[tuple[PNode, ...]] = [()] * n
+        self.p_left = [0] * n  # prompt tokens not yet through the last prefill stage
+        self.d_path: list[Path | None] = [None] * n
+        self.heap: list[tuple[float, int, int, Any]] = []
+        self.seq = 0
+        self.routers: dict[tuple[str, str], tuple[list[Instance], Stride | None]] = {}
+        self.backlog: dict[tuple[str, str], list[int]] = {}
+        self.trace = Trace()
+
+    # --- plans ------------------------------------------------------------------------------------------
+    def push(self, t: float, kind: int, obj: Any) -> None:
+        self.seq += 1
+        heapq.heappush(self.heap, (t, self.seq, kind, obj))
+
+    def apply_plan(self, plan: Plan, t: float, initial: bool) -> None:
+        """Reconcile running instances with `plan`: keep matching ones, start new ones (ready after the
+        start-up delay, or at once for the initial plan) and retire the rest. A retired instance that is still
+        starting stops at once; a ready one drains (takes no new requests, stops after its last one) — at once,
+        or with `handover` once the new instances of its (model, phase) are ready (make before break)."""
+        have: dict[tuple[Any, ...], list[Instance]] = {}
+        for inst in self.trace.instances:
+            if inst.state in (STARTING, READY):
+                have.setdefault(signature(inst.spec), []).append(inst)
+        want: dict[tuple[Any, ...], list[PlanInstance]] = {}
+        for spec in plan.instances:
+            want.setdefault(signature(spec), []).append(spec)
+        retire: list[Instance] = []
+        new_ready: dict[tuple[str, str], float] = {}
+        for sig, specs in want.items():
+            old = sorted(have.pop(sig, []), key=lambda i: (i.state != READY, -i.outstanding))
+            for inst, spec in zip(old, specs, strict=False):
+                inst.spec = spec
+                inst.retiring = False
+            retire += old[len(specs):]
+            for spec in specs[len(old):]:
+                ready = t if initial else t + self.startup
+                inst = Instance(spec, self.kernels, t, ready)
+                self.trace.instances.append(inst)
+                if ready <= t:
+                    inst.state = READY
+                else:
+                    self.push(ready, _K_READY, inst)
+                    new_ready[inst.key] = ready
+        for rest in have.values():
+            retire += rest
+        for inst in retire:
+            when = new_ready.get(inst.key) if self.handover and inst.state == READY else None
+            if when is None:
+                self.drain(inst, t)
+            elif not inst.retiring:
+                inst.retiring = True
+                self.push(when, _K_RETIRE, inst)
+        self.rebuild_routers(t)
+
+    def drain(self, inst: Instance, t: float) -> None:
+        was_ready = inst.state == READY
+        inst.state = DRAINING
+        inst.drain_s = t
+        if inst.outstanding == 0 or not was_ready:
+            self.stop(inst, t)
+
+    def stop(self, inst: Instance, t: float) -> None:
+        inst.state = STOPPED
+        inst.stop_s = t
+        for n in inst.all_nodes():
+            if isinstance(n, DNode) and n.k > 0:
+                n.busy_time += t - n.t_mark
+                n.k_area += n.k * (t - n.t_mark)
+                n.t_mark = t
+
+    def running_plan(self, like: Plan) -> Plan:
+        live = [i.spec for i in self.trace.instances if i.state in (STARTING, READY) and not i.retiring]
+        return Plan(
+            scenario=like.scenario, method="running", instances=live, serving=[],
+            cost_per_hour=sum(i.cost_per_hour for i in live), solve=SolveReport(status="running"),
+        )
+
+    def rebuild_routers(self, t: float) -> None:
+        members: dict[tuple[str, str], list[Instance]] = {}
+        for inst in self.trace.instances:
+            if inst.state == READY:
+                members.setdefault(inst.key, []).append(inst)
+        self.routers = {
+            k: (v, Stride(v, [i.weight for i in v]) if self.router == "wrr" else None) for k, v in members.items()
+        }
+        for key in list(self.backlog):
+            if key in self.routers:
+                waiting = self.backlog.pop(key)
+                for r in waiting:
+                    if key[1] == "prefill":
+                        self.route_prefill(r, t)
+                    else:
+                        self.route_decode(r, t)
+
+    def pick(self, key: tuple[str, str]) -> Instance | None:
+        entry = self.routers.get(key)
+        if entry is None:
+            return None
+        members, stride = entry
+        if stride is not None:
+            return stride.pick()
+        best, score = members[0], float("inf")
+        for inst in members:
+            s = (inst.outstanding + 1) / inst.weight
+            if s < score:
+                best, score = inst, s
+        return best
+
+    def release(self, inst: Instance, t: float) -> None:
+        inst.outstanding -= 1
+        if inst.state == DRAINING and inst.outstanding == 0:
+            self.stop(inst, t)
+
+    # --- prefill ----------------------------------------------------------------------------------------
+    def route_prefill(self, r: int, t: float) -> None:
+        key = (self.models[self.mod[r]], "prefill")
+        inst = self.pick(key)
+        if inst is None:
+            self.backlog.setdefault(key, []).append(r)
+            return
+        inst.outstanding += 1
+        self.p_inst[r] = inst
+        idx = inst.pick_path()
+        nodes = tuple(st[i] for st, i in zip(inst.stages, idx, strict=True))
+        self.p_nodes[r] = nodes
+        self.p_left[r] = self.inp[r]
+        node = nodes[0]
+        node.queue.append([r, self.inp[r]])
+        if not node.busy:
+            self.start_prefill(node, t)
+
+    def start_prefill(self, node: PNode, t: float) -> None:
+        """One chunked-prefill step: queued prompt tokens FCFS up to the node's planned batch."""
+        cap = node.cap
+        q = node.queue
+        tokens = 0
+        batch: list[list[int]] = []
+        while q and tokens < cap:
+            item = q[0]
+            take = cap - tokens
+            if item[1] <= take:
+                tokens += item[1]
+                batch.append(item)
+                q.popleft()
+            else:
+                item[1] -= take
+                batch.append([item[0], take])
+                tokens = cap
+        dt = node.table[tokens]
+        node.busy = True
+        node.batch = batch
+        node.busy_time += dt
+        self.seq += 1
+        heapq.heappush(self.heap, (t + dt, self.seq, _K_PREFILL, node))
+
+    def prefill_step_done(self, node: PNode, t: float) -> None:
+        """Chunks that passed a middle stage go on to the request's next stage node (pipelined); a request is
+        prefilled once all its prompt has passed the last stage."""
+        node.busy = False
+        if node.last:
+            p_left = self.p_left
+            for r, tok in node.batch:
+                left = p_left[r] - tok
+                p_left[r] = left
+                if left == 0:
+                    self.t_first[r] = t
+                    self.release(node.inst, t)
+                    if self.out[r] <= 1:
+                        self.finish(r, t)
+                    else:
+                        self.route_decode(r, t)
+        else:
+            nxt_stage = node.stage + 1
+            p_nodes = self.p_nodes
+            for item in node.batch:
+                nxt = p_nodes[item[0]][nxt_stage]
+                q = nxt.queue
+                if q and q[-1][0] == item[0]:
+                    q[-1][1] += item[1]
+                else:
+                    q.append(item)
+                if not nxt.busy:
+                    self.start_prefill(nxt, t)
+        node.batch = []
+        if node.queue:
+            self.start_prefill(node, t)
+
+    # --- decode -----------------------------------------------------------------------------------------
+    def route_decode(self, r: int, t: float) -> None:
+        key = (self.models[self.mod[r]], "decode")
+        inst = self.pick(key)
+        if inst is None:
+            self.backlog.setdefault(key, []).append(r)
+            return
+        inst.outstanding += 1
+        idx = inst.pick_path()
+        path = inst.paths.get(idx)
+        if path is None:
+            nodes = tuple(st[i] for st, i in zip(inst.stages, idx, strict=True))
+            path = inst.paths[idx] = Path(nodes, inst.layers, inst)
+        self.d_path[r] = path
+        inst.waiting.append(r)
+        if len(inst.waiting) == 1:
+            self.admit(inst, t)
+
+    def admit(self, inst: Instance, t: float) -> None:
+        """Admit waiting requests FIFO while the head fits (KV room and a batch slot on all its nodes)."""
+        w = inst.waiting
+        while w:
+            r = w[0]
+            path = self.d_path[r]
+            assert path is not None
+            need = self.kv_res[r]
+            for n in path.nodes:
+                if n.slots >= n.cap or n.kv_free < min(need, n.kv_cap):
+                    return
+            w.popleft()
+            self.t_admit[r] = t
+            pnic = min(n.nic for n in self.p_nodes[r])
+            xfer = 0.0
+            kv_in = self.kv_in[r]
+            for n, layers in zip(path.nodes, path.layers, strict=True):
+                n.slots += 1
+                n.kv_free -= min(need, n.kv_cap)
+                x = kv_in * layers / (n.nic if n.nic < pnic else pnic)
+                if x > xfer:
+                    xfer = x
+            self.push(t + xfer, _K_KV, r)
+
+    def _change(self, path: Path, delta: int, ctx: float, t: float) -> None:
+        """Add (+1) or remove (-1) one sequence of decode context `ctx` on every node of `path`, keeping all
+        clocks consistent."""
+        touched: list[Path] = []
+        for n in path.nodes:
+            for p in n.paths:
+                if p.t_last != t:
+                    p.progress += (t - p.t_last) * p.rate
+                    p.t_last = t
+                    touched.append(p)
+                elif p not in touched:
+                    touched.append(p)
+            if n.k:
+                n.busy_time += t - n.t_mark
+                n.k_area += n.k * (t - n.t_mark)
+            n.t_mark = t
+            k = n.k + delta
+            n.k = k
+            n.ctx_sum = n.ctx_sum + delta * ctx if k else 0.0
+            n.dt = decode_step(n.table, k, n.ctx_sum / k if k else 1.0)
+        for p in touched:
+            p.rate = 1.0 / sum(n.dt for n in p.nodes) if len(p.nodes) > 1 else 1.0 / p.nodes[0].dt
+            p.version += 1
+            if p.heap:
+                self.seq += 1
+                heapq.heappush(
+                    self.heap, (t + (p.heap[0][0] - p.progress) / p.rate, self.seq, _K_PATH, (p, p.version))
+                )
+
+    def kv_done(self, r: int, t: float) -> None:
+        path = self.d_path[r]
+        assert path is not None
+        if path.t_last != t:
+            path.progress += (t - path.t_last) * path.rate
+            path.t_last = t
+        heapq.heappush(path.heap, (path.progress + self.out[r] - 1, r))
+        self._change(path, +1, self.d_ctx[r], t)
+
+    def path_event(self, path: Path, version: int, t: float) -> None:
+        if version != path.version:
+            return
+        path.progress += (t - path.t_last) * path.rate
+        path.t_last = t
+        h = path.heap
+        limit = path.progress + _EPS
+        inst = path.inst
+        if h and h[0][0] > limit:  # rounding left the head short of its target: look again when it is due
+            self.seq += 1
+            heapq.heappush(
+                self.heap, (t + (h[0][0] - path.progress) / path.rate, self.seq, _K_PATH, (path, path.version))
+            )
+            return
+        while h and h[0][0] <= limit:
+            _, r = heapq.heappop(h)
+            need = self.kv_res[r]
+            for n in path.nodes:
+                n.slots -= 1
+                n.kv_free += min(need, n.kv_cap)
+            self._change(path, -1, self.d_ctx[r], t)
+            self.finish(r, t)
+            self.release(inst, t)
+        if inst.waiting:
+            self.admit(inst, t)
+
+    def finish(self, r: int, t: float) -> None:
+        self.t_done[r] = t
+        self.done_count[r] += 1
+
+    # --- loop -------------------------------------------------------------------------------------------
+    def run(
+        self,
+        first_plan: Plan,
+        replan: Replanner | None,
+        epoch_s: float,
+        duration_s: float,
+        demand_of: Callable[[int], ObservedDemand],
+    ) -> Trace:
+        self.apply_plan(first_plan, 0.0, initial=True)
+        n_epochs = max(1, int(np.ceil(duration_s / epoch_s - 1e-9)))
+        for e in range(1, n_epochs if replan is not None else 1):
+            self.push(e * epoch_s, _K_EPOCH, e)
+        heap, arr, n = self.heap, self.arr, self.n
+        pop = heapq.heappop
+        ai = 0
+        t = 0.0
+        horizon = self.horizon
+        while True:
+            if ai < n and (not heap or arr[ai] <= heap[0][0]):
+                t = arr[ai]
+                self.route_prefill(ai, t)
+                ai += 1
+                continue
+            if not heap:
+                break
+            t, _, kind, obj = pop(heap)
+            if t > horizon:
+                t = horizon
+                break
+            if kind == _K_PATH:
+                p, v = obj
+                self.path_event(p, v, t)
+            elif kind == _K_PREFILL:
+                self.prefill_step_done(obj, t)
+            elif kind == _K_KV:
+                self.kv_done(obj, t)
+            elif kind == _K_READY:
+                inst: Instance = obj
+                if inst.state == STARTING:
+                    inst.state = READY
+                    self.rebuild_routers(t)
+            elif kind == _K_RETIRE:
+                inst = obj
+                if inst.retiring and inst.state == READY:
+                    inst.retiring = False
+                    self.drain(inst, t)
+                    self.rebuild_routers(t)
+            else:  # _K_EPOCH, only scheduled with a re-planner
+                assert replan is not None
+                plan = replan(obj, demand_of(obj), self.running_plan(first_plan))
+                self.apply_plan(plan, t, initial=False)
+        end = max(t, duration_s)
+        for inst in self.trace.instances:
+            if inst.state != STOPPED:
+                self.stop(inst, end)
+        self.trace.end_s = end
+        return self.trace

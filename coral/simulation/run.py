@@ -1,0 +1,139 @@
+"""`simulate`: run a plan (or a re-planner) against a workload and measure latency, goodput and cost."""
+
+from __future__ import annotations
+
+import time
+from typing import Literal
+
+import numpy as np
+
+from coral.allocation.plan import Plan
+from coral.catalog.loader import Catalog, CoralInputError, builtin_catalog
+from coral.catalog.schema import Scenario
+from coral.perf.roofline import RooflineModel
+from coral.simulation.availability import AvailabilitySchedule
+from coral.simulation.engine import Engine, ModelDemand, ObservedDemand, Replanner
+from coral.simulation.kernels import KernelCache
+from coral.simulation.metrics import SimResult, collect
+from coral.simulation.traces import RequestSet, workload_for
+
+
+def scenario_forecast(scenario: Scenario) -> dict[str, ModelDemand]:
+    """The scenario's own demand: request rate x mean tokens per phase."""
+    return {
+        m.model: ModelDemand(m.request_rate, m.request_rate * m.mean_input_tokens,
+                             m.request_rate * m.mean_output_tokens)
+        for m in scenario.models
+    }
+
+
+def check_plan(plan: Plan, scenario: Scenario) -> None:
+    known = {m.model for m in scenario.models}
+    for i, inst in enumerate(plan.instances):
+        if inst.model not in known:
+            raise CoralInputError(f"plan: instances.{i}.model: {inst.model!r} is not a model of {scenario.name}")
+        if sum(s.layers for s in inst.stages) <= 0:
+            raise CoralInputError(f"plan: instances.{i}.stages: no layers")
+        for j, s in enumerate(inst.stages):
+            if len(s.node_throughput) not in (0, len(s.nodes)):
+                raise CoralInputError(f"plan: instances.{i}.stages.{j}: node_throughput must match nodes")
+
+
+def simulate(
+    plan_or_replanner: Plan | Replanner,
+    scenario: Scenario,
+    requests: dict[str, RequestSet] | None = None,
+    *,
+    duration_s: float,
+    seed: int = 0,
+    router: str = "wrr",
+    catalog: Catalog | None = None,
+    perf: RooflineModel | None = None,
+    startup_delay_s: float = 300.0,
+    epoch_s: float | None = None,
+    availability: AvailabilitySchedule | None = None,
+    drain_limit_s: float = 600.0,
+    handover: bool = True,
+    forecast: Literal["previous", "oracle"] = "previous",
+    kv_reserve: Literal["mean", "max"] = "mean",
+) -> SimResult:
+    """Serve `requests` (default: the scenario's traces, seeded) for `duration_s` with a fixed plan, or with
+    `replan(epoch, observed_demand, running_plan) -> Plan` called at the start of every epoch (epoch 0 sees
+    the scenario's forecast). Arrivals stop at `duration_s`; in-flight requests then get `drain_limit_s` more
+    to finish, after which they count as unfinished. With `handover`, an instance a re-plan removes keeps
+    serving until the new instances of its (model, phase) are ready, then drains; without, it drains at once.
+    `forecast` is the demand a re-planner is shown: the previous epoch's ("previous") or the coming epoch's
+    actual demand ("oracle", a perfect forecast, for comparison). `kv_reserve` is the KV a decoding request is
+    charged: prompt + half its output ("mean", a paged cache's average) or prompt + output ("max")."""
+    if duration_s <= 0:
+        raise CoralInputError("duration_s must be > 0")
+    if forecast not in ("previous", "oracle"):
+        raise CoralInputError(f"forecast must be 'previous' or 'oracle', not {forecast!r}")
+    t_wall = time.perf_counter()
+    catalog = catalog or builtin_catalog()
+    perf = perf or RooflineModel()
+    epoch_s = epoch_s or scenario.epoch_minutes * 60.0
+    requests = requests if requests is not None else workload_for(scenario, duration_s, seed)
+    names = [m.model for m in scenario.models]
+    unknown = sorted(set(requests) - set(names))
+    if unknown:
+        raise CoralInputError(f"requests for model(s) {', '.join(unknown)} not in scenario {scenario.name}")
+    parts = [(i, requests[m].until(duration_s)) for i, m in enumerate(names) if m in requests]
+    arrival = np.concatenate([r.arrival_s for _, r in parts]) if parts else np.zeros(0)
+    model_of = np.concatenate([np.full(len(r), i, dtype=np.int64) for i, r in parts]) if parts else np.zeros(0, int)
+    inp = np.concatenate([r.input_tokens for _, r in parts]) if parts else np.zeros(0, int)
+    out = np.concatenate([r.output_tokens for _, r in parts]) if parts else np.zeros(0, int)
+    order = np.lexsort((model_of, arrival))
+    kernels = KernelCache(scenario, catalog, perf)
+    engine = Engine(
+        kernels, names, arrival[order], model_of[order], inp[order], out[order],
+        router=router, startup_delay_s=startup_delay_s, horizon_s=duration_s + drain_limit_s, handover=handover,
+        kv_reserve=kv_reserve,
+    )
+
+    def demand_of(epoch: int) -> ObservedDemand:
+        window = epoch - 1 if forecast == "previous" else epoch
+        a, b = window * epoch_s, (window + 1) * epoch_s
+        sel = (arrival >= a) & (arrival < b)
+        span = max(b - a, 1e-9)
+        models = {
+            m: ModelDemand(
+                float((sel & (model_of == i)).sum() / span),
+                float(inp[sel & (model_of == i)].sum() / span),
+                float(out[sel & (model_of == i)].sum() / span),
+            )
+            for i, m in enumerate(names)
+        }
+        return ObservedDemand(epoch, a, b, models, availability.at(epoch * epoch_s) if availability else None)
+
+    if isinstance(plan_or_replanner, Plan):
+        first, replan = plan_or_replanner, None
+    else:
+        replan = plan_or_replanner
+        avail0 = availability.at(0.0) if availability else None
+        if forecast == "oracle":
+            first = replan(0, demand_of(0), None)
+        else:
+            first = replan(0, ObservedDemand(0, 0.0, 0.0, scenario_forecast(scenario), avail0), None)
+    check_plan(first, scenario)
+
+    def checked(epoch: int, demand: ObservedDemand, running: Plan | None) -> Plan:
+        assert replan is not None
+        plan = replan(epoch, demand, running)
+        check_plan(plan, scenario)
+        return plan
+
+    trace = engine.run(first, checked if replan else None, epoch_s, duration_s, demand_of)
+    result = collect(
+        engine, trace, scenario=scenario.name, router=router, seed=seed, duration_s=duration_s, epoch_s=epoch_s,
+        startup_delay_s=startup_delay_s,
+        ttft_slo_s=np.array([kernels.models[m].ttft_slo_s for m in names]),
+        tpot_slo_s=np.array([kernels.models[m].tpot_slo_s for m in names]),
+        availability=availability,
+    )
+    result.wall_s = time.perf_counter() - t_wall
+    result.requests_per_wall_s = result.requests / result.wall_s if result.wall_s > 0 else 0.0
+    missing = sorted({m for m in names if m in requests and len(requests[m])} - {i.model for i in first.instances})
+    if missing:
+        result.notes.append(f"plan serves no instance of: {', '.join(missing)}")
+    return result

@@ -1,0 +1,339 @@
+"""Request traces: loaders for the Azure LLM inference and BurstGPT CSV formats, seeded synthetic generators,
+rate rescaling, and the per-model workload of a scenario (built from the shipped samples or a user's files)."""
+
+from __future__ import annotations
+
+import csv
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+
+from coral.catalog.loader import CoralInputError, data_path
+from coral.catalog.schema import Scenario
+
+AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
+BURSTGPT_COLUMNS = ("Timestamp", "Model", "Request tokens", "Response tokens", "Total tokens", "Log Type")
+
+#: trace names used in scenario files -> shipped sample file (format-compatible synthetic stand-ins)
+SAMPLES = {
+    "azure-code": "azure_code_sample.csv",
+    "azure-conversation": "azure_conversation_sample.csv",
+    "burstgpt": "burstgpt_sample.csv",
+}
+
+
+@dataclass(frozen=True)
+class RequestSet:
+    """Requests of one model: arrival times (s, sorted, first at 0), prompt and generated token counts."""
+
+    arrival_s: np.ndarray
+    input_tokens: np.ndarray
+    output_tokens: np.ndarray
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        n = len(self.arrival_s)
+        if len(self.input_tokens) != n or len(self.output_tokens) != n:
+            raise ValueError("arrival_s, input_tokens and output_tokens must have the same length")
+
+    def __len__(self) -> int:
+        return len(self.arrival_s)
+
+    @property
+    def span_s(self) -> float:
+        """Time the trace covers: last arrival plus one mean gap (so that tiling keeps the rate)."""
+        n = len(self)
+        if n == 0:
+            return 0.0
+        last = float(self.arrival_s[-1] - self.arrival_s[0])
+        return last * n / (n - 1) if n > 1 else 1.0
+
+    @property
+    def rate(self) -> float:
+        return len(self) / self.span_s if len(self) else 0.0
+
+    def until(self, duration_s: float) -> RequestSet:
+        keep = self.arrival_s < duration_s
+        return RequestSet(self.arrival_s[keep], self.input_tokens[keep], self.output_tokens[keep], self.source)
+
+
+def _make(arrival: np.ndarray, inp: np.ndarray, out: np.ndarray, source: str) -> RequestSet:
+    order = np.argsort(arrival, kind="stable")
+    t = np.asarray(arrival, dtype=float)[order]
+    t = t - t[0] if len(t) else t
+    return RequestSet(
+        t,
+        np.maximum(np.asarray(inp, dtype=np.int64)[order], 1),
+        np.maximum(np.asarray(out, dtype=np.int64)[order], 1),
+        source,
+    )
+
+
+def _read_rows(path: Path, columns: tuple[str, ...]) -> list[dict[str, str]]:
+    try:
+        with path.open(newline="") as f:
+            reader = csv.DictReader(f)
+            header = [h.strip() for h in (reader.fieldnames or [])]
+            missing = [c for c in columns if c not in header]
+            if missing:
+                raise CoralInputError(f"{path}: missing column(s) {', '.join(missing)}; header is {header}")
+            reader.fieldnames = header
+            return list(reader)
+    except OSError as exc:
+        raise CoralInputError(f"{path}: cannot read: {exc.strerror}") from exc
+
+
+def _timestamps(values: list[str], path: Path) -> np.ndarray:
+    """Seconds from numbers or ISO date-times such as '2023-11-16 18:15:46.6805900' or '...+00:00'."""
+    try:
+        return np.array([float(v) for v in values])
+    except ValueError:
+        pass
+    cleaned = []
+    for v in values:
+        v = v.strip().replace(" ", "T")
+        if v.endswith("Z"):
+            v = v[:-1]
+        elif len(v) > 6 and v[-6] in "+-" and v[-3] == ":":
+            v = v[:-6]
+        cleaned.append(v)
+    try:
+        stamps = np.array(cleaned, dtype="datetime64[ns]")
+    except ValueError as exc:
+        raise CoralInputError(f"{path}: TIMESTAMP: not a number or ISO date-time ({exc})") from exc
+    return (stamps - stamps.min()).astype(np.int64) / 1e9
+
+
+def _ints(rows: list[dict[str, str]], column: str, path: Path) -> np.ndarray:
+    try:
+        return np.array([int(float(r[column])) for r in rows], dtype=np.int64)
+    except (TypeError, ValueError) as exc:
+        raise CoralInputError(f"{path}: column {column!r}: not an integer ({exc})") from exc
+
+
+def load_azure(path: str | Path) -> RequestSet:
+    """Azure LLM inference trace (2023 Splitwise / 2024 DynamoLLM): TIMESTAMP, ContextTokens, GeneratedTokens."""
+    path = Path(path)
+    rows = _read_rows(path, AZURE_COLUMNS)
+    if not rows:
+        raise CoralInputError(f"{path}: no requests")
+    t = _timestamps([r["TIMESTAMP"] for r in rows], path)
+    return _make(t, _ints(rows, "ContextTokens", path), _ints(rows, "GeneratedTokens", path), str(path))
+
+
+def load_burstgpt(path: str | Path, model: str | None = None, log_type: str | None = None) -> RequestSet:
+    """BurstGPT trace: Timestamp (s), Model, Request tokens, Response tokens, Total tokens, Log Type. Failed
+    requests (0 response tokens) are dropped; `model` / `log_type` filter rows (e.g. 'ChatGPT', 'API log')."""
+    path = Path(path)
+    rows = _read_rows(path, BURSTGPT_COLUMNS)
+    rows = [
+        r for r in rows
+        if (model is None or r["Model"] == model) and (log_type is None or r["Log Type"] == log_type)
+    ]
+    out = _ints(rows, "Response tokens", path)
+    ok = out > 0
+    if not ok.any():
+        raise CoralInputError(f"{path}: no successful requests (after filters model={model}, log_type={log_type})")
+    t = _timestamps([r["Timestamp"] for r in rows], path)
+    return _make(t[ok], _ints(rows, "Request tokens", path)[ok], out[ok], str(path))
+
+
+def load_trace(path: str | Path) -> RequestSet:
+    """Azure or BurstGPT file, told apart by the header."""
+    path = Path(path)
+    try:
+        with path.open(newline="") as f:
+            header = {h.strip() for h in next(csv.reader(f), [])}
+    except OSError as exc:
+        raise CoralInputError(f"{path}: cannot read: {exc.strerror}") from exc
+    if "ContextTokens" in header:
+        return load_azure(path)
+    if "Request tokens" in header:
+        return load_burstgpt(path)
+    raise CoralInputError(f"{path}: neither an Azure ({', '.join(AZURE_COLUMNS)}) nor a BurstGPT trace header")
+
+
+def lognormal_lengths(
+    rng: np.random.Generator, n: int, mean: float, sigma: float, cap: int | None = None
+) -> np.ndarray:
+    """Integer lengths >= 1, lognormal with the given mean (after clipping to `cap`)."""
+    x = rng.lognormal(np.log(mean) - sigma**2 / 2, sigma, n)
+    for _ in range(4):
+        x = np.clip(x, 1, cap) if cap else np.maximum(x, 1)
+        x *= mean / x.mean()
+    x = np.clip(x, 1, cap) if cap else np.maximum(x, 1)
+    return np.maximum(np.rint(x), 1).astype(np.int64)
+
+
+def synthetic(
+    rate: float,
+    duration_s: float,
+    mean_input: float,
+    mean_output: float,
+    *,
+    seed: int,
+    arrival: Literal["poisson", "gamma"] = "poisson",
+    cv: float = 2.0,
+    sigma_input: float = 0.8,
+    sigma_output: float = 1.0,
+    max_input: int | None = 16384,
+    max_output: int | None = 4096,
+) -> RequestSet:
+    """Seeded requests: Poisson or gamma (bursty, coefficient of variation `cv`) arrivals, lognormal lengths."""
+    if rate <= 0 or duration_s <= 0:
+        return _make(np.zeros(0), np.zeros(0), np.zeros(0), "synthetic")
+    rng = np.random.default_rng(seed)
+    n_guess = int(rate * duration_s * 1.2 + 10 * np.sqrt(rate * duration_s) + 10)
+    if arrival == "poisson":
+        gaps = rng.exponential(1.0 / rate, n_guess)
+    else:
+        shape = 1.0 / cv**2
+        gaps = rng.gamma(shape, 1.0 / (rate * shape), n_guess)
+    t = np.cumsum(gaps) - gaps[0]
+    t = t[t < duration_s]
+    n = len(t)
+    inp = lognormal_lengths(rng, n, mean_input, sigma_input, max_input)
+    out = lognormal_lengths(rng, n, mean_output, sigma_output, max_output)
+    return RequestSet(t, inp, out, f"synthetic:{arrival}")
+
+
+def rescale(requests: RequestSet, rate: float) -> RequestSet:
+    """Compress or stretch arrival times uniformly so that the mean rate becomes `rate` requests/s."""
+    if rate <= 0:
+        raise ValueError("rate must be > 0")
+    if len(requests) < 2:
+        return requests
+    factor = requests.rate / rate
+    return RequestSet(requests.arrival_s * factor, requests.input_tokens, requests.output_tokens, requests.source)
+
+
+def tile(requests: RequestSet, duration_s: float, seed: int) -> RequestSet:
+    """Repeat a trace until it covers `duration_s`; each pass (the first too) starts at a seeded random point of
+    the trace (circular shift), which keeps its local burst structure without replaying it in lock-step."""
+    if not len(requests):
+        return requests
+    span = requests.span_s
+    rng = np.random.default_rng(seed)
+    n = len(requests)
+    parts_t, parts_i, parts_o = [], [], []
+    offset = 0.0
+    while offset < duration_s:
+        shift = int(rng.integers(n))
+        idx = np.roll(np.arange(n), -shift)
+        t = requests.arrival_s[idx] - requests.arrival_s[idx[0]]
+        t = np.where(t < 0, t + span, t)
+        parts_t.append(t + offset)
+        parts_i.append(requests.input_tokens[idx])
+        parts_o.append(requests.output_tokens[idx])
+        offset += span
+    return _make(
+        np.concatenate(parts_t), np.concatenate(parts_i), np.concatenate(parts_o), requests.source
+    ).until(duration_s)
+
+
+def sample_path(trace: str) -> Path:
+    return data_path("traces", SAMPLES[trace])
+
+
+def workload_for(
+    scenario: Scenario,
+    duration_s: float,
+    seed: int,
+    traces: Mapping[str, str | Path] | None = None,
+    rate_scale: float = 1.0,
+) -> dict[str, RequestSet]:
+    """Requests of every scenario model over `duration_s`: its trace (a user file from `traces[model]`, else
+    the shipped sample named by the scenario, else synthetic Poisson with the scenario's means), rescaled to
+    the model's request rate x `rate_scale` and tiled to the duration."""
+    traces = traces or {}
+    out: dict[str, RequestSet] = {}
+    for i, m in enumerate(scenario.models):
+        rate = m.request_rate * rate_scale
+        sub_seed = seed * 1009 + i
+        if rate <= 0:
+            out[m.model] = _make(np.zeros(0), np.zeros(0), np.zeros(0), "none")
+            continue
+        if m.model in traces:
+            base = load_trace(traces[m.model])
+        elif m.trace in SAMPLES:
+            base = load_trace(sample_path(m.trace))
+        elif m.trace == "synthetic":
+            out[m.model] = synthetic(rate, duration_s, m.mean_input_tokens, m.mean_output_tokens, seed=sub_seed)
+            continue
+        else:
+            raise CoralInputError(
+                f"scenario {scenario.name}: models.{i}.trace: unknown trace {m.trace!r}; known: "
+                f"{', '.join([*SAMPLES, 'synthetic'])} (or pass a file with --trace {m.model}=PATH)"
+            )
+        out[m.model] = tile(rescale(base, rate), duration_s, sub_seed)
+    return out
+
+
+def write_azure(requests: RequestSet, path: str | Path, start: str = "2023-11-16T18:00:00") -> Path:
+    """Write requests in the Azure trace format (date-time TIMESTAMP with 7 fractional digits)."""
+    path = Path(path)
+    t0 = np.datetime64(start, "ns")
+    stamps = t0 + np.rint(requests.arrival_s * 1e9).astype("timedelta64[ns]")
+    with path.open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(AZURE_COLUMNS)
+        for s, i, o in zip(stamps, requests.input_tokens, requests.output_tokens, strict=True):
+            text = str(s).replace("T", " ")[:27]
+            w.writerow([text, int(i), int(o)])
+    return path
+
+
+def write_burstgpt(
+    requests: RequestSet, path: str | Path, models: np.ndarray, log_types: np.ndarray
+) -> Path:
+    """Write requests in the BurstGPT format (Timestamp in seconds)."""
+    path = Path(path)
+    with path.open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(BURSTGPT_COLUMNS)
+        for t, i, o, m, lt in zip(
+            requests.arrival_s, requests.input_tokens, requests.output_tokens, models, log_types, strict=True
+        ):
+            w.writerow([f"{t:.3f}", m, int(i), int(o), int(i + o), lt])
+    return path
+
+
+def generate_samples(folder: str | Path, seed: int = 2026, n: int = 2000) -> list[Path]:
+    """Write the shipped samples: format-compatible synthetic stand-ins for the real traces, seeded, with the
+    workload means the scenarios assume (see coral/data/traces/README.md). Run `python -m coral.simulation.traces`
+    to regenerate them."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    # (trace, rate req/s, arrival cv, mean in, sigma in, cap in, mean out, sigma out, cap out)
+    specs = [
+        ("azure-code", 2.0, 1.5, 2048.0, 0.9, 8192, 28.0, 0.9, 512),
+        ("azure-conversation", 2.0, 1.5, 1155.0, 0.8, 8192, 211.0, 0.9, 2048),
+        ("burstgpt", 1.0, 3.0, 611.0, 0.9, 4096, 123.0, 1.0, 2048),
+    ]
+    paths = []
+    for k, (name, rate, cv, mi, si, ci, mo, so, co) in enumerate(specs):
+        rng = np.random.default_rng(seed + k)
+        shape = 1.0 / cv**2
+        gaps = rng.gamma(shape, 1.0 / (rate * shape), n)
+        t = np.cumsum(gaps) - gaps[0]
+        reqs = RequestSet(
+            t, lognormal_lengths(rng, n, mi, si, ci), lognormal_lengths(rng, n, mo, so, co), name
+        )
+        target = folder / SAMPLES[name]
+        if name == "burstgpt":
+            models = np.where(rng.random(n) < 0.85, "ChatGPT", "GPT-4")
+            logs = np.where(rng.random(n) < 0.7, "Conversation log", "API log")
+            failed = rng.random(n) < 0.02
+            out = np.where(failed, 0, reqs.output_tokens)
+            paths.append(write_burstgpt(RequestSet(t, reqs.input_tokens, out, name), target, models, logs))
+        else:
+            paths.append(write_azure(reqs, target))
+    return paths
+
+
+if __name__ == "__main__":
+    for p in generate_samples(data_path("traces")):
+        print(p)

@@ -1,0 +1,365 @@
+"""Allocator: demand derivation, reductions, properties, scarcity modes, baselines and exactness checks."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from coral.allocation import baselines
+from coral.allocation.allocator import UNLIMITED, InfeasibleDemand, allocate
+from coral.allocation.availability import headroom_availability
+from coral.allocation.demand import phase_demand, scenario_demand
+from coral.allocation.plan import Plan
+from coral.allocation.reductions import _undominated_pairwise, undominated
+from coral.allocation.reference import joint_cost
+from coral.catalog.loader import builtin_catalog
+from coral.catalog.schema import Scenario, ScenarioModel
+from coral.perf.model import Phase
+from coral.templates.library import Stage, Template, TemplateLibrary
+from coral.templates.placement import set_partitions, solve_node_sets
+
+REGIONS = ["aws-us-east-2", "aws-ap-northeast-2"]
+CONFIGS = ["1xL4", "1xA10G", "1xL40S", "4xL4"]
+
+
+def scenario(models: list[str], rates: list[float] | None = None, priority: list[float] | None = None,
+             k: float = 0.1) -> Scenario:
+    rates = rates or [1.0] * len(models)
+    priority = priority or [1.0] * len(models)
+    return Scenario(
+        name="tiny", regions=REGIONS, configs=CONFIGS, availability={"mode": "headroom", "factor": 3.0},
+        init_penalty_k=k,
+        models=[ScenarioModel(model=m, prefill_slo_ms=1000, decode_slo_ms=50, request_rate=r, mean_input_tokens=100,
+                              mean_output_tokens=20, priority=p) for m, r, p in zip(models, rates, priority, strict=True)],
+    )
+
+
+def template(model: str, phase: Phase, counts: dict[str, int], thr: float) -> Template:
+    nodes = tuple(c for c, n in counts.items() for _ in range(n))
+    stage = Stage(layers=4, nodes=nodes, node_throughput=tuple(thr / len(nodes) for _ in nodes))
+    return Template(id=0, model=model, phase=phase, slo_ms=1000, counts=counts, stages=(stage,), throughput=thr)
+
+
+def random_library(seed: int, models: list[str], n: int = 12, homogeneous_only: bool = False) -> TemplateLibrary:
+    rng = np.random.default_rng(seed)
+    rows = []
+    for m in models:
+        for phase in Phase:
+            for _ in range(n):
+                k = int(rng.integers(1, 4))
+                cfgs = [CONFIGS[int(rng.integers(0, len(CONFIGS)))]]
+                picks = cfgs * k if homogeneous_only else [CONFIGS[int(i)] for i in rng.integers(0, len(CONFIGS), k)]
+                counts: dict[str, int] = {}
+                for c in picks:
+                    counts[c] = counts.get(c, 0) + 1
+                rows.append(template(m, phase, counts, float(rng.integers(20, 200)) * k))
+    return TemplateLibrary.from_templates(CONFIGS, rows, {})
+
+
+def demand_of(sc: Scenario, scale: float = 1.0) -> dict[tuple[str, Phase], float]:
+    return scenario_demand(sc, scale)
+
+
+def avail(n: int) -> dict[str, dict[str, int]]:
+    return {r: dict.fromkeys(CONFIGS, n) for r in REGIONS}
+
+
+def check_plan(plan: Plan, av: dict[str, dict[str, int]] | None) -> None:
+    for s in plan.serving:
+        assert s.capacity >= s.demand * plan.demand_scale * (1 - 1e-9) or plan.mode == "goodput"
+    if av is not None:
+        used: dict[tuple[str, str], int] = {}
+        for inst in plan.instances:
+            for c, n in inst.counts.items():
+                used[(inst.region, c)] = used.get((inst.region, c), 0) + n
+        for (r, c), n in used.items():
+            assert n <= av[r][c]
+
+
+# --- demand --------------------------------------------------------------------------------------------------
+def test_phase_demand_derivation() -> None:
+    sm = ScenarioModel(model="x", prefill_slo_ms=1, decode_slo_ms=1, request_rate=10, mean_input_tokens=1155,
+                       mean_output_tokens=211)
+    assert phase_demand(sm) == {Phase.PREFILL: 11550.0, Phase.DECODE: 2110.0}
+    assert phase_demand(sm, rate=2.0) == {Phase.PREFILL: 2310.0, Phase.DECODE: 422.0}
+    with pytest.raises(ValueError):
+        phase_demand(sm, rate=-1)
+
+
+# --- reductions ----------------------------------------------------------------------------------------------
+@given(st.integers(0, 10_000))
+@settings(max_examples=60, deadline=None)
+def test_fast_dominance_matches_pairwise(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    n, c = int(rng.integers(1, 30)), int(rng.integers(1, 4))
+    counts = rng.integers(0, 3, (n, c))
+    thr = rng.integers(1, 6, n).astype(float)
+    keep = rng.random(n) < 0.2
+    assert (undominated(counts, thr, keep) == _undominated_pairwise(counts, thr, keep)).all()
+
+
+def test_dominance_golden() -> None:
+    counts = np.array([[1, 0], [1, 1], [2, 0], [1, 0]])
+    thr = np.array([10.0, 10.0, 25.0, 10.0])
+    # row 1 ⊃ row 0 with equal throughput; row 3 duplicates row 0; row 2 gives more throughput
+    assert undominated(counts, thr).tolist() == [True, False, True, False]
+    assert undominated(counts, thr, np.array([False, True, False, False])).tolist() == [True, True, True, False]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_reductions_are_lossless(seed: int) -> None:
+    models = ["a", "b"]
+    lib = random_library(seed, models)
+    sc = scenario(models, rates=[3.0, 2.0])
+    av = avail(int(np.random.default_rng(seed).integers(4, 12)))
+    try:
+        with_red = allocate(lib, sc, availability=av, gap=1e-9)
+    except InfeasibleDemand:
+        with pytest.raises(InfeasibleDemand):
+            allocate(lib, sc, availability=av, gap=1e-9, reduce=False)
+        return
+    without = allocate(lib, sc, availability=av, gap=1e-9, reduce=False)
+    assert with_red.cost_per_hour == pytest.approx(without.cost_per_hour, rel=1e-9)
+    check_plan(with_red, av)
+
+
+# --- properties ----------------------------------------------------------------------------------------------
+@given(st.integers(0, 10_000), st.integers(3, 10), st.integers(1, 6))
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_more_availability_and_templates_never_cost_more(seed: int, n_avail: int, extra: int) -> None:
+    models = ["a"]
+    lib = random_library(seed, models, n=10)
+    sc = scenario(models, rates=[2.0])
+    try:
+        base = allocate(lib, sc, availability=avail(n_avail), gap=1e-9)
+    except InfeasibleDemand:
+        return
+    check_plan(base, avail(n_avail))
+    assert all(float(n).is_integer() for n in [len(base.instances)])
+    more = allocate(lib, sc, availability=avail(n_avail + extra), gap=1e-9)
+    assert more.cost_per_hour <= base.cost_per_hour * (1 + 1e-9)
+    extra_lib = random_library(seed + 1, models, n=10)
+    both = TemplateLibrary.from_templates(
+        CONFIGS, [lib.template(i) for i in range(len(lib))] + [extra_lib.template(i) for i in range(len(extra_lib))], {})
+    assert allocate(both, sc, availability=avail(n_avail), gap=1e-9).cost_per_hour <= base.cost_per_hour * (1 + 1e-9)
+
+
+def test_scale_down_is_never_penalised_and_scale_up_is() -> None:
+    models = ["a"]
+    lib = random_library(3, models)
+    sc = scenario(models, rates=[4.0], k=0.5)
+    high = allocate(lib, sc, availability=UNLIMITED, gap=1e-9)
+    low_sc = scenario(models, rates=[1.0], k=0.5)
+    low_fresh = allocate(lib, low_sc, availability=UNLIMITED, gap=1e-9)
+    low_from_high = allocate(lib, low_sc, availability=UNLIMITED, running=high, gap=1e-9)
+    # keeping (a subset of) what runs is free, so the plan never pays more than the running cost
+    assert low_from_high.solve.objective is not None
+    assert low_from_high.solve.objective <= high.cost_per_hour + 1e-9
+    assert low_from_high.solve.objective <= low_fresh.cost_per_hour * 1.5 + 1e-9
+    assert low_from_high.solve.objective == pytest.approx(low_from_high.cost_per_hour + low_from_high.penalty_per_hour)
+    up = allocate(lib, sc, availability=UNLIMITED, running=low_fresh, gap=1e-9)
+    started = {}
+    for i in up.instances:
+        started[(i.template_id, i.region)] = started.get((i.template_id, i.region), 0) + 1
+    for i in low_fresh.instances:
+        started[(i.template_id, i.region)] = started.get((i.template_id, i.region), 0) - 1
+    expect = sum(0.5 * next(i.cost_per_hour for i in up.instances if (i.template_id, i.region) == key) * max(0, n)
+                 for key, n in started.items() if n > 0)
+    assert up.penalty_per_hour == pytest.approx(expect)
+    assert up.solve.objective == pytest.approx(up.cost_per_hour + up.penalty_per_hour)
+
+
+def test_running_plan_is_kept_when_it_is_optimal() -> None:
+    lib = random_library(5, ["a"])
+    sc = scenario(["a"], rates=[2.0], k=0.3)
+    first = allocate(lib, sc, availability=UNLIMITED, gap=1e-9)
+    again = allocate(lib, sc, availability=UNLIMITED, running=first, gap=1e-9)
+    assert again.penalty_per_hour == 0.0
+    assert again.cost_per_hour == pytest.approx(first.cost_per_hour)
+
+
+# --- scarcity ------------------------------------------------------------------------------------------------
+def scarce_case() -> tuple[TemplateLibrary, Scenario, dict[str, dict[str, int]]]:
+    rows = []
+    for m in ("a", "b"):
+        for phase in Phase:
+            rows.append(template(m, phase, {"1xL4": 1}, 100.0))
+    lib = TemplateLibrary.from_templates(CONFIGS, rows, {})
+    sc = scenario(["a", "b"], rates=[1.0, 1.0])  # prefill 100 tok/s, decode 20 tok/s per model
+    av = {REGIONS[0]: {"1xL4": 3}, REGIONS[1]: {}}
+    return lib, sc, av
+
+
+def test_infeasible_cost_mode_names_models_and_configs() -> None:
+    lib, sc, av = scarce_case()
+    dem = {("a", Phase.PREFILL): 300.0, ("a", Phase.DECODE): 20.0, ("b", Phase.PREFILL): 300.0,
+           ("b", Phase.DECODE): 20.0}
+    with pytest.raises(InfeasibleDemand) as err:
+        allocate(lib, sc, demand=dem, availability=av)
+    assert ("aws-us-east-2", "1xL4") in err.value.configs
+    assert {("a", Phase.PREFILL), ("b", Phase.PREFILL)} <= set(err.value.models)
+    assert "1xL4" in str(err.value)
+
+
+def test_goodput_and_scaled_modes() -> None:
+    lib, sc, av = scarce_case()
+    # 8 nodes of demand (a: 3 prefill + 1 decode, b: 3 + 1) on 6 nodes
+    av = {REGIONS[0]: {"1xL4": 6}, REGIONS[1]: {}}
+    dem = {("a", Phase.PREFILL): 300.0, ("a", Phase.DECODE): 100.0, ("b", Phase.PREFILL): 300.0,
+           ("b", Phase.DECODE): 100.0}
+    good = allocate(lib, sc, demand=dem, availability=av, mode="goodput")
+    fractions = {(s.model, s.phase): s.served_fraction for s in good.serving}
+    assert min(fractions.values()) == pytest.approx(2 / 3)
+    check_plan(good, av)
+    scaled = allocate(lib, sc, demand=dem, availability=av, mode="scaled", scale_step=0.05)
+    assert scaled.demand_scale == pytest.approx(0.65)
+    check_plan(scaled, av)
+    ample = allocate(lib, sc, demand=dem, availability=avail(20), mode="goodput")
+    assert ample.cost_per_hour == pytest.approx(allocate(lib, sc, demand=dem, availability=avail(20)).cost_per_hour)
+
+
+def test_goodput_priorities_weight_the_served_fraction() -> None:
+    lib, _, _ = scarce_case()
+    sc = scenario(["a", "b"], priority=[2.0, 1.0])
+    av = {REGIONS[0]: {"1xL4": 6}, REGIONS[1]: {}}
+    dem = {("a", Phase.PREFILL): 400.0, ("a", Phase.DECODE): 0.0, ("b", Phase.PREFILL): 400.0,
+           ("b", Phase.DECODE): 0.0}
+    plan = allocate(lib, sc, demand=dem, availability=av, mode="goodput")
+    frac = {s.model: s.served_fraction for s in plan.serving if s.phase == "prefill"}
+    assert frac["a"] == pytest.approx(1.0) and frac["b"] == pytest.approx(0.5)
+
+
+# --- baselines -----------------------------------------------------------------------------------------------
+def test_baselines_meet_demand_and_never_beat_coral() -> None:
+    lib = random_library(11, ["a", "b"])
+    sc = scenario(["a", "b"], rates=[2.0, 1.0])
+    coral = allocate(lib, sc, availability=UNLIMITED, gap=1e-9)
+    for plan in (baselines.homo(lib, sc, availability=UNLIMITED), baselines.cauchy(lib, sc, availability=UNLIMITED)):
+        assert all(s.served_fraction == pytest.approx(1.0) for s in plan.serving)
+        assert all(len(i.counts) == 1 for i in plan.instances)
+        assert plan.cost_per_hour >= coral.cost_per_hour - 1e-9
+    assert baselines.homo(lib, sc, availability=UNLIMITED).method == "homo"
+
+
+def test_homo_degrades_under_scarcity() -> None:
+    lib, sc, av = scarce_case()
+    dem = {("a", Phase.PREFILL): 300.0, ("a", Phase.DECODE): 20.0, ("b", Phase.PREFILL): 300.0,
+           ("b", Phase.DECODE): 20.0}
+    plan = baselines.homo(lib, sc, demand=dem, availability=av)
+    assert sum(i.n_nodes for i in plan.instances) == 3
+    assert min(s.served_fraction for s in plan.serving) < 1
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_melange_special_case(seed: int) -> None:
+    lib = random_library(seed, ["a"], n=8, homogeneous_only=True)
+    single = [lib.template(i) for i in range(len(lib)) if lib.template(i).n_nodes == 1]
+    lib1 = TemplateLibrary.from_templates(CONFIGS, single, {})
+    sc = scenario(["a"], rates=[3.0])
+    av = avail(5)
+    try:
+        coral = allocate(lib1, sc, availability=av, gap=1e-9)
+    except InfeasibleDemand:
+        return
+    assert coral.cost_per_hour == pytest.approx(baselines.melange(lib1, sc, "a", availability=av), rel=1e-9)
+
+
+# --- exactness: two-stage pipeline vs the joint formulation --------------------------------------------------
+def tiny_tables(rng: np.random.Generator, n_cfg: int = 2, n_layers: int = 4, s_max: int = 3) -> np.ndarray:
+    t = np.zeros((s_max, n_cfg, n_layers + 1))
+    for s in range(s_max):
+        for c in range(n_cfg):
+            fits = int(rng.integers(1, n_layers + 1))
+            vals = np.sort(rng.uniform(10, 100, n_layers))[::-1]
+            t[s, c, 1:fits + 1] = vals[:fits]
+    return t
+
+
+def pipeline_library(tables: np.ndarray, configs: list[str], n_max: int) -> TemplateLibrary:
+    rows = []
+    for size in range(1, n_max + 1):
+        sets = np.array(list(itertools.combinations_with_replacement(range(len(configs)), size)))
+        padded = np.zeros((len(sets), n_max), dtype=np.int64)
+        padded[:, :size] = sets
+        thr, part, layers = solve_node_sets(padded, np.full(len(sets), size), tables)
+        labels, _ = set_partitions(size)
+        for i, nodes in enumerate(sets):
+            if thr[i] <= 0:
+                continue
+            lab = labels[part[i]]
+            stages = []
+            for s in range(int(lab.max()) + 1):
+                members = [configs[int(nodes[k])] for k in range(size) if lab[k] == s]
+                stages.append(Stage(int(layers[i, s]), tuple(members), tuple(1.0 for _ in members)))
+            counts: dict[str, int] = {}
+            for k in nodes:
+                counts[configs[int(k)]] = counts.get(configs[int(k)], 0) + 1
+            rows.append(Template(0, "a", Phase.PREFILL, 1000, counts, tuple(stages), float(thr[i])))
+    return TemplateLibrary.from_templates(configs, rows, {})
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_two_stage_pipeline_equals_joint_formulation(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    configs = ["1xL4", "1xA10G"]
+    tables = tiny_tables(rng)
+    lib = pipeline_library(tables, configs, 3)
+    demand = float(rng.uniform(50, 400))
+    caps = [{c: int(rng.integers(1, 6)) for c in configs} for _ in REGIONS]
+    cat = builtin_catalog()
+    prices = [{i: cat.prices(r)[c] for i, c in enumerate(configs)} for r in REGIONS]
+    ref = joint_cost(tables, 3, prices, [{i: cap[c] for i, c in enumerate(configs)} for cap in caps], demand)
+    sc = Scenario(name="tiny", regions=REGIONS, configs=configs, availability={"mode": "headroom", "factor": 1.0},
+                  models=[ScenarioModel(model="a", prefill_slo_ms=1000, decode_slo_ms=50, request_rate=1,
+                                        mean_input_tokens=100, mean_output_tokens=20)])
+    av = {r: cap for r, cap in zip(REGIONS, caps, strict=True)}
+    dem = {("a", Phase.PREFILL): demand, ("a", Phase.DECODE): 0.0}
+    if ref is None:
+        with pytest.raises(InfeasibleDemand):
+            allocate(lib, sc, demand=dem, availability=av)
+        return
+    plan = allocate(lib, sc, demand=dem, availability=av, gap=1e-12)
+    assert plan.cost_per_hour == pytest.approx(ref, rel=1e-9)
+
+
+# --- availability --------------------------------------------------------------------------------------------
+def test_headroom_availability_rule() -> None:
+    sc = scenario(["a"])
+    out = headroom_availability(sc, {"1xL4": 4, "4xL4": 1}, 1.25)
+    assert out["aws-us-east-2"]["1xL4"] == 3 and out["aws-ap-northeast-2"]["1xL4"] == 3  # ceil(1.25*4/2)
+    assert out["aws-us-east-2"]["4xL4"] == 1 and out["aws-us-east-2"]["1xA10G"] == 0
+
+
+def test_plan_roundtrip(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    lib = random_library(2, ["a"])
+    plan = allocate(lib, scenario(["a"]), availability=UNLIMITED)
+    assert Plan.load(plan.save(tmp_path / "p.json")) == plan
+    assert plan.solve.status == "Optimal" and plan.solve.gap is not None and plan.solve.gap <= 1e-4
+
+
+def test_time_limit_returns_best_incumbent() -> None:
+    lib = random_library(8, ["a", "b"], n=30)
+    sc = scenario(["a", "b"], rates=[5.0, 4.0])
+    plan = allocate(lib, sc, availability=UNLIMITED, time_limit=0.01)
+    check_plan(plan, None)
+    assert plan.solve.objective is not None and plan.solve.bound is not None
+    assert plan.solve.bound <= plan.solve.objective + 1e-9
+
+
+def test_explicit_availability_and_bad_inputs() -> None:
+    from coral.allocation.availability import resolve_availability
+    from coral.catalog.loader import CoralInputError
+
+    lib = random_library(1, ["a"])
+    sc = scenario(["a"]).model_copy(update={"availability": {REGIONS[0]: {"1xL4": 2}}})
+    assert resolve_availability(sc, lib) == {REGIONS[0]: {"1xL4": 2}, REGIONS[1]: {}}
+    with pytest.raises(CoralInputError, match="mode"):
+        allocate(lib, sc, mode="cheap")  # type: ignore[arg-type]
+    with pytest.raises(CoralInputError, match="region"):
+        allocate(lib, sc, availability={"mars": {"1xL4": 1}})
+    with pytest.raises(CoralInputError, match="demand"):
+        allocate(lib, sc, availability=UNLIMITED, demand={("a", Phase.PREFILL): -1.0})

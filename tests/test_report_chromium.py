@@ -1,0 +1,89 @@
+"""The static report rendered by headless Chromium: its numbers match the plan; screenshot to artifacts/."""
+
+from __future__ import annotations
+
+import os
+import re
+from html import unescape
+from pathlib import Path
+
+import pytest
+
+from coral.report import build_report
+from coral.report.browser import chromium_binary, run_chromium
+from coral.report.examples import example_baseline, example_inputs, example_plan
+
+ARTIFACTS = Path(__file__).resolve().parents[1] / "artifacts"
+
+# Locally a missing browser skips; in CI (CI=true, .ci/install-browser ran) it must be there, so the tests run.
+pytestmark = pytest.mark.skipif(
+    chromium_binary() is None and os.environ.get("CI") != "true",
+    reason="Debian's chromium is not installed (CI installs it with .ci/install-browser)",
+)
+
+
+def money(v: float) -> str:
+    return f"${v:,.2f}/h"
+
+
+def text_of(dom: str, element_id: str) -> str:
+    match = re.search(rf'id="{element_id}"[^>]*>([^<]*)<', dom)
+    assert match, f"#{element_id} not rendered"
+    return unescape(match.group(1))
+
+
+@pytest.fixture(scope="module")
+def page(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("report") / "report.html"
+    path.write_text(build_report(example_plan(), baselines=[example_baseline()], sim=example_inputs()))
+    return path
+
+
+@pytest.fixture(scope="module")
+def dom(page: Path) -> str:
+    return run_chromium(page.as_uri(), dump_dom=True)
+
+
+def test_rendered_numbers_match_the_plan(dom: str) -> None:
+    plan, base = example_plan(), example_baseline()
+    assert 'data-rendered="1"' in dom
+    assert text_of(dom, "total-cost") == money(plan.cost_per_hour)
+    assert text_of(dom, "n-instances") == str(len(plan.instances))
+    ratio = base.cost_per_hour / plan.cost_per_hour
+    assert text_of(dom, "ratio-homo") == f"{ratio:.2f}× cheaper"
+    for s in plan.serving:
+        row = re.search(rf'<tr data-model="{s.model}" data-phase="{s.phase}">(.*?)</tr>', dom)
+        assert row, (s.model, s.phase)
+        assert money(s.cost_per_hour) in row.group(1)
+
+
+def test_cost_bars_match_the_breakdown(dom: str) -> None:
+    plan = example_plan()
+    by_model: dict[str, float] = {}
+    for inst in plan.instances:
+        by_model[inst.model] = by_model.get(inst.model, 0.0) + inst.cost_per_hour
+    section = dom[dom.index('id="cost-model"') : dom.index('id="cost-phase"')]
+    bars = dict(re.findall(r'data-label="([^"]+)">([^<]+)<', section))
+    assert bars == {m: money(v) for m, v in by_model.items()}
+
+
+def test_every_instance_and_node_is_drawn(dom: str) -> None:
+    plan = example_plan()
+    counts = [int(c) for c in re.findall(r'class="card instance"[^>]*data-count="(\d+)"', dom)]
+    assert sum(counts) == len(plan.instances)
+    # one box per node of each distinct instance layout
+    distinct = {(i.model, i.phase, i.template_id, i.region): i for i in plan.instances}
+    assert dom.count('class="node"') == sum(i.n_nodes for i in distinct.values())
+    assert "layers 44–63 (20)" in dom
+    assert dom.count('class="slo-line"') == 6
+
+
+def test_screenshot_goes_to_artifacts(page: Path) -> None:
+    shot = ARTIFACTS / "report.png"
+    shot.unlink(missing_ok=True)
+    run_chromium(page.as_uri(), screenshot=shot, window=(1400, 2000))
+    data = shot.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    width, height = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+    assert (width, height) == (1400, 2000)
+    assert len(data) > 50_000  # a blank page compresses to ~13 kB; the drawn report is far larger

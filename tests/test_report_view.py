@@ -1,0 +1,258 @@
+"""View-model numbers of the report: cost breakdowns, instance diagrams, comparisons, CDFs, live state."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from coral.catalog.loader import CoralInputError, builtin_catalog
+from coral.report import ReportInputs, adapt_inputs, latency_from_requests, load_inputs, view_model
+from coral.report.examples import example_baseline, example_inputs, example_plan, make_instance, make_plan
+from coral.report.inputs import LatencySeries, cdf_at, cdf_points, quantile
+from coral.report.view import gpu_colors, gpu_cost_split, live_section
+
+# Hand-computed from offerings.yaml (aws-us-east-2: 1xL40S 1.861, 4xL4 4.6016, 1xA10G 1.006;
+# aws-ap-northeast-2: 1xL40S 2.289, 1xL4 0.9896).
+QWEN_PREFILL = 1.861 + 4.6016 + 2 * 1.006
+QWEN_DECODE = 2 * 2.289
+
+
+@pytest.fixture(scope="module")
+def vm() -> dict:
+    return view_model(example_plan(), baselines=[example_baseline()], sim=example_inputs())
+
+
+def test_every_breakdown_adds_up_to_the_plan_cost(vm: dict) -> None:
+    total = example_plan().cost_per_hour
+    assert vm["summary"]["cost_per_hour"] == pytest.approx(total)
+    for key in ("by_model", "by_phase", "by_region", "by_gpu"):
+        assert sum(b["value"] for b in vm["costs"][key]) == pytest.approx(total), key
+    assert sum(r["cost_per_hour"] for r in vm["serving"]) == pytest.approx(total)
+    assert vm["notes"] == []
+
+
+def test_cost_per_model_golden(vm: dict) -> None:
+    by_model = {b["label"]: b["value"] for b in vm["costs"]["by_model"]}
+    assert by_model["qwen3-32b"] == pytest.approx(2 * QWEN_PREFILL + 2 * QWEN_DECODE)
+    assert by_model["gpt-oss-20b"] == pytest.approx(2.289 + 0.9896 + 0.8048)
+    values = [b["value"] for b in vm["costs"]["by_model"]]
+    assert values == sorted(values, reverse=True)
+
+
+def test_gpu_split_of_the_three_stage_instance_uses_node_prices() -> None:
+    het = next(i for i in example_plan().instances if i.model == "qwen3-32b" and i.phase == "prefill")
+    split = gpu_cost_split(het, builtin_catalog())
+    assert split == pytest.approx({"L40S": 1.861, "L4": 4.6016, "A10G": 2.012})
+
+
+def test_gpu_split_falls_back_to_gpu_counts_without_prices() -> None:
+    inst = make_instance(
+        "phi-4", "prefill", 1, "aws-us-east-2", [(20, ["1xL40S"], [1.0]), (20, ["4xL4"], [1.0])]
+    )
+    inst = inst.model_copy(update={"region": "nowhere", "cost_per_hour": 10.0})
+    assert gpu_cost_split(inst, builtin_catalog()) == pytest.approx({"L40S": 2.0, "L4": 8.0})
+
+
+def test_instance_groups_cover_every_instance_with_contiguous_layers(vm: dict) -> None:
+    plan = example_plan()
+    groups = vm["instance_groups"]
+    assert sum(g["count"] for g in groups) == len(plan.instances)
+    assert sorted(i for g in groups for i in g["ids"]) == sorted(i.id for i in plan.instances)
+    het = next(g for g in groups if g["model"] == "qwen3-32b" and g["phase"] == "prefill")
+    assert het["count"] == 2 and het["heterogeneous"]
+    ranges = [(s["first_layer"], s["last_layer"]) for s in het["stages"]]
+    assert ranges == [(0, 19), (20, 43), (44, 63)]
+    assert [[n["config"] for n in s["nodes"]] for s in het["stages"]] == [
+        ["1xL40S"],
+        ["4xL4"],
+        ["1xA10G", "1xA10G"],
+    ]
+    assert [n["gpu"] for n in het["stages"][2]["nodes"]] == ["A10G", "A10G"]
+
+
+def test_summary_counts(vm: dict) -> None:
+    sm = vm["summary"]
+    assert (sm["n_instances"], sm["n_nodes"], sm["n_gpus"], sm["n_heterogeneous"]) == (9, 18, 27, 3)
+
+
+def test_comparison_ratio_and_served(vm: dict) -> None:
+    rows = {r["method"]: r for r in vm["comparison"]["rows"]}
+    coral, homo = example_plan(), example_baseline()
+    assert rows["coral"]["ratio"] == pytest.approx(1.0)
+    assert rows["homo"]["ratio"] == pytest.approx(homo.cost_per_hour / coral.cost_per_hour)
+    assert rows["homo"]["min_served_fraction"] == pytest.approx(14000 / 20480)
+    assert sum(rows["homo"]["by_model"].values()) == pytest.approx(homo.cost_per_hour)
+    assert vm["comparison"]["rows"][0]["method"] == "coral"
+
+
+def test_mismatched_plan_total_becomes_a_note() -> None:
+    plan = example_plan().model_copy(update={"cost_per_hour": 1.0})
+    notes = view_model(plan)["notes"]
+    assert len(notes) == 1 and "$1.00/h" in notes[0]
+
+
+def test_gpu_colours_are_stable_and_distinct() -> None:
+    a = gpu_colors(["L4", "L40S", "A10G"])
+    assert a == gpu_colors(["A10G", "L4", "L40S", "L40S"])
+    assert len(set(a.values())) == 3
+    assert gpu_colors(["MysteryGPU"]) == gpu_colors(["MysteryGPU"])
+
+
+def test_view_model_is_strict_json(vm: dict) -> None:
+    assert json.loads(json.dumps(vm, allow_nan=False)) == vm
+
+
+def test_epochs_grouped_per_method_plan_method_first(vm: dict) -> None:
+    assert [s["method"] for s in vm["epochs"]] == ["coral", "homo"]
+    for series in vm["epochs"]:
+        assert [p["epoch"] for p in series["points"]] == [0, 1, 2, 3, 4]
+    extra = view_model(
+        example_plan(), epochs=[{"epoch": 1, "cost_per_hour": 3.0}, {"epoch": 0, "cost_per_hour": 2.0}]
+    )
+    assert extra["epochs"] == [
+        {
+            "method": "coral",
+            "points": [
+                {"epoch": 0, "cost_per_hour": 2.0, "goodput": 0.0, "churn": 0.0},
+                {"epoch": 1, "cost_per_hour": 3.0, "goodput": 0.0, "churn": 0.0},
+            ],
+        }
+    ]
+
+
+def test_latency_stats_from_samples_and_from_cdf_points() -> None:
+    samples = [float(x) for x in range(1000, 0, -100)]  # 100..1000, unsorted
+    sim = ReportInputs(latency={"m": LatencySeries(ttft_ms=samples, tpot_ms=[[10.0, 0.5], [20.0, 1.0]],
+                                                  slo_ttft_ms=450, slo_tpot_ms=15)})  # fmt: skip
+    charts = {c["metric"]: c for c in view_model(example_plan(), sim=sim)["latency"]}
+    ttft, tpot = charts["ttft"], charts["tpot"]
+    assert (ttft["attainment"], ttft["p50"], ttft["p90"], ttft["p99"], ttft["n"]) == (
+        0.4,
+        500.0,
+        900.0,
+        1000.0,
+        10,
+    )
+    assert ttft["points"][0] == [100.0, 0.1] and ttft["points"][-1] == [1000.0, 1.0]
+    assert (tpot["attainment"], tpot["p50"], tpot["p99"]) == (0.5, 10.0, 20.0)
+
+
+def test_cdf_points_repair_non_monotone_input() -> None:
+    assert cdf_points([(1.0, 0.2), (3.0, 1.0), (2.0, 0.1)]) == [[1.0, 0.2], [2.0, 0.2], [3.0, 1.0]]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.floats(0, 1e5, allow_nan=False), min_size=1, max_size=900),
+    st.floats(0, 1e5, allow_nan=False),
+)
+def test_cdf_thinning_keeps_ends_and_exact_stats(samples: list[float], slo: float) -> None:
+    full = cdf_points(samples)
+    thin = cdf_points(samples, 50)
+    assert len(thin) <= 50 and thin[0] == full[0] and thin[-1] == full[-1]
+    assert all(a[0] <= b[0] and a[1] <= b[1] for a, b in itertools.pairwise(thin))
+    assert cdf_at(full, slo) == pytest.approx(sum(x <= slo for x in samples) / len(samples))
+    assert quantile(full, 1.0) == max(samples)
+
+
+def test_adapt_inputs_from_request_records_and_unknown_keys() -> None:
+    inputs = adapt_inputs(
+        {
+            "requests": [
+                {"model": "a", "ttft_s": 0.5, "tpot_ms": 20},
+                {"model": "a", "ttft_ms": 700},
+                {"model": "", "ttft_ms": 1},
+                {"model": "b", "tpot_s": 0.03},
+            ],
+            "slos": {"a": {"ttft_ms": 600, "tpot_ms": 25}},
+            "whatever_the_simulator_adds": {"x": 1},
+        }
+    )
+    assert inputs.latency["a"].ttft_ms == [500.0, 700.0]
+    assert inputs.latency["a"].tpot_ms == [20.0]
+    assert (inputs.latency["a"].slo_ttft_ms, inputs.latency["b"].slo_ttft_ms) == (600, None)
+    assert inputs.latency["b"].tpot_ms == pytest.approx([30.0])
+    assert latency_from_requests([]) == {}
+
+
+def test_bad_inputs_name_the_field(tmp_path) -> None:
+    with pytest.raises(CoralInputError, match=r"epochs\.0\.cost_per_hour"):
+        adapt_inputs({"epochs": [{"epoch": 0, "cost_per_hour": -1}]})
+    with pytest.raises(CoralInputError, match="requests: must be a list"):
+        adapt_inputs({"requests": 12})
+    with pytest.raises(CoralInputError, match="schema_version"):
+        adapt_inputs({"schema_version": 2})
+    path = tmp_path / "sim.json"
+    path.write_text(json.dumps({"latency": {"m": {"ttft_ms": [[5, 1.5]]}}}))
+    with pytest.raises(CoralInputError, match=r"sim\.json.*\n.*latency\.m\.ttft_ms"):
+        load_inputs(path)
+    path.write_text("[1, 2]")
+    with pytest.raises(CoralInputError, match="mapping"):
+        load_inputs(path)
+
+
+def test_load_inputs_round_trip_yaml_and_json(tmp_path) -> None:
+    inputs = example_inputs(seed=3, n=20)
+    (tmp_path / "a.json").write_text(inputs.model_dump_json())
+    assert load_inputs(tmp_path / "a.json") == inputs
+    (tmp_path / "b.yaml").write_text("epochs:\n  - {epoch: 2, cost_per_hour: 4.5, goodput: 10}\n")
+    assert load_inputs(tmp_path / "b.yaml").epochs[0].cost_per_hour == 4.5
+
+
+def test_example_inputs_are_seeded() -> None:
+    assert example_inputs(seed=1) == example_inputs(seed=1)
+    assert example_inputs(seed=1) != example_inputs(seed=2)
+
+
+def test_live_section_traffic_split_and_tolerance() -> None:
+    plan = example_plan()
+    ids = [i.id for i in plan.instances_of("phi-4", "prefill")]
+    live = live_section(
+        plan,
+        [
+            {"id": ids[0], "state": "READY", "inflight": 3, "requests": 10, "weight": 3.0},
+            {"id": ids[1], "state": "starting", "weight": 1.0},
+            {"id": "stray", "model": "x", "phase": "decode", "weight": "not a number"},
+            {},
+            "garbage",  # type: ignore[list-item]
+        ],
+    )
+    assert live["states"] == {"ready": 1, "starting": 1, "unknown": 2}
+    split = {(t["model"], t["phase"]): t["shares"] for t in live["traffic"]}
+    assert [s["share"] for s in split[("phi-4", "prefill")]] == [0.75, 0.25]
+    assert [s["share"] for s in split[("x", "decode")]] == [0.0]
+    assert (live["total_inflight"], live["total_requests"]) == (3.0, 10.0)
+
+
+def test_empty_plan_renders() -> None:
+    vm = view_model(make_plan("coral", []))
+    assert vm["instance_groups"] == [] and vm["summary"]["n_instances"] == 0
+    assert all(v == [] for v in vm["costs"].values())
+
+
+def test_inputs_from_a_real_simulation(tmp_path) -> None:
+    from coral.catalog.loader import load_scenario
+    from coral.report import inputs_from_sim
+    from coral.simulation.run import simulate
+
+    scenario = load_scenario("core")
+    result = simulate(example_plan(), scenario, duration_s=60, seed=0, startup_delay_s=0, epoch_s=30)
+    inputs = inputs_from_sim(result, method="coral")
+    assert sorted(inputs.latency) == sorted(m.model for m in scenario.models)
+    assert [e.epoch for e in inputs.epochs] == [e.epoch for e in result.epochs]
+    charts = {(c["model"], c["metric"]): c for c in view_model(example_plan(), sim=inputs)["latency"]}
+    for m in result.models:
+        ttft = charts[(m.model, "ttft")]
+        assert ttft["attainment"] == m.ttft_attainment and ttft["n"] == m.requests
+        assert ttft["slo_ms"] == next(s.prefill_slo_ms for s in scenario.models if s.model == m.model)
+        assert ttft["points"][-1] == [pytest.approx(m.ttft_ms.max), 1.0]
+    path = result.save_json(tmp_path / "sim.json")
+    assert load_inputs(path, method="coral") == inputs
+    # the SimResult object (or its JSON dict) can be handed to the report directly
+    direct = view_model(example_plan(), sim=result)
+    assert direct["latency"] == view_model(example_plan(), sim=result.model_dump(mode="json"))["latency"]
+    assert direct["latency"] == list(charts.values())

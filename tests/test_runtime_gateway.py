@@ -1,0 +1,404 @@
+"""Gateway on loopback with real emulated engine servers: PD path, streaming, routing split, failures."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections import Counter
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from coral.runtime.emulated import EngineTiming, create_engine_app, token_text
+from coral.runtime.gateway import GatewayConfig, create_gateway_app
+from coral.runtime.registry import Endpoint, InstanceState, Registry
+from coral.runtime.server import ServerThread
+
+pytestmark = pytest.mark.timeout(120)
+
+
+class Stack:
+    """Emulated engines + a gateway, all on loopback."""
+
+    def __init__(self, config: GatewayConfig | None = None, health_checks: bool = False) -> None:
+        self.registry = Registry()
+        self.engines: dict[str, ServerThread] = {}
+        self.apps: dict[str, object] = {}
+        self.gateway = ServerThread(
+            create_gateway_app(self.registry, config, health_checks=health_checks)
+        ).start()
+        self.gw = self.gateway.server.config.app.state.gateway  # type: ignore[union-attr]
+
+    def engine(self, iid: str, model: str, phase: str, weight: float, timing: EngineTiming) -> ServerThread:
+        app = create_engine_app(iid, model, phase, timing)
+        srv = self.engines[iid] = ServerThread(app).start()
+        self.apps[iid] = app
+        self.registry.add(Endpoint(iid, model, phase, srv.url, weight, InstanceState.READY))
+        return srv
+
+    def state(self, iid: str):
+        return self.apps[iid].state.engine  # type: ignore[attr-defined]
+
+    def close(self) -> None:
+        for s in [self.gateway, *self.engines.values()]:
+            s.stop()
+
+
+@contextlib.contextmanager
+def stack(config: GatewayConfig | None = None, health_checks: bool = False) -> Iterator[Stack]:
+    s = Stack(config, health_checks)
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+FAST = EngineTiming.constant(0.0, 0.0)
+
+
+def chat(model: str = "m", n: int = 4, stream: bool = False, text: str = "hello there") -> dict:
+    return {
+        "model": model,
+        "messages": [{"role": "user", "content": text}],
+        "max_tokens": n,
+        "stream": stream,
+    }
+
+
+def sse_events(raw: str) -> list[dict | str]:
+    out: list[dict | str] = []
+    for line in raw.splitlines():
+        if line.startswith("data: "):
+            payload = line[6:]
+            out.append(payload if payload == "[DONE]" else json.loads(payload))
+    return out
+
+
+def wait_for(cond, timeout_s: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.01)
+    return cond()
+
+
+def test_chat_completion_end_to_end_pd():
+    with stack() as s:
+        s.engine("p0", "m", "prefill", 1.0, FAST)
+        s.engine("d0", "m", "decode", 1.0, FAST)
+        r = httpx.post(f"{s.gateway.url}/v1/chat/completions", json=chat(n=5), timeout=10)
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["object"] == "chat.completion"
+        expected = "".join(token_text("hello there", i) for i in range(5))
+        assert body["choices"][0]["message"]["content"] == expected
+        assert body["usage"]["completion_tokens"] == 5
+        assert r.headers["x-coral-instance"] == "d0"
+        # prefill ran on the prefill instance only; the decode instance got the KV-transfer parameters
+        assert (s.state("p0").served, s.state("p0").prefills) == (1, 1)
+        assert (s.state("d0").served, s.state("d0").prefills) == (1, 0)
+        direct = httpx.post(f"{s.engines['d0'].url}/v1/chat/completions", json=chat(n=5), timeout=10).json()
+        assert direct["choices"][0]["message"]["content"] == expected
+
+
+def test_streaming_completion_and_models():
+    with stack() as s:
+        s.engine("p0", "m", "prefill", 1.0, FAST)
+        s.engine("d0", "m", "decode", 1.0, FAST)
+        body = {"model": "m", "prompt": "a b c", "max_tokens": 3, "stream": True}
+        with httpx.stream("POST", f"{s.gateway.url}/v1/completions", json=body, timeout=10) as r:
+            assert r.status_code == 200
+            assert r.headers["content-type"].startswith("text/event-stream")
+            events = sse_events(r.read().decode())
+        assert events[-1] == "[DONE]"
+        texts = [e["choices"][0]["text"] for e in events[:-1]]  # type: ignore[index]
+        assert texts == [token_text("a b c", i) for i in range(3)]
+        models = httpx.get(f"{s.gateway.url}/v1/models").json()
+        assert [m["id"] for m in models["data"]] == ["m"]
+        assert s.registry.get("d0").inflight == 0  # type: ignore[union-attr]
+        metrics = httpx.get(f"{s.gateway.url}/metrics").text
+        assert 'coral_gateway_requests_total{model="m",outcome="ok"} 1.0' in metrics
+        assert 'coral_gateway_inflight{instance="d0"} 0.0' in metrics
+
+
+def test_errors_are_openai_shaped():
+    with stack() as s:
+        s.engine("d0", "m", "decode", 1.0, FAST)
+        url = s.gateway.url
+        assert httpx.post(f"{url}/v1/chat/completions", json=chat(model="nope")).status_code == 404
+        bad = httpx.post(f"{url}/v1/chat/completions", content=b"{not json")
+        assert bad.status_code == 400 and "invalid request" in bad.json()["error"]["message"]
+        s.registry.set_state("d0", InstanceState.DRAINING)
+        r = httpx.post(f"{url}/v1/chat/completions", json=chat())
+        assert r.status_code == 503 and r.headers["retry-after"] == "1"
+        s.registry.set_state("d0", InstanceState.READY)
+        assert httpx.post(f"{url}/v1/chat/completions", json=chat()).status_code == 200
+
+
+def test_overload_gives_429_and_releases_slots():
+    slow = EngineTiming.constant(0.3, 0.0)
+    with stack(GatewayConfig(max_concurrency=1, max_waiting=0)) as s:
+        s.engine("d0", "m", "decode", 1.0, slow)
+
+        async def run() -> list[int]:
+            async with httpx.AsyncClient(base_url=s.gateway.url, timeout=10) as c:
+                first = asyncio.create_task(c.post("/v1/chat/completions", json=chat(n=1)))
+                assert await asyncio.to_thread(wait_for, lambda: s.gw.active == 1)
+                second = await c.post("/v1/chat/completions", json=chat(n=1))
+                assert second.headers["retry-after"] == "1"
+                return [(await first).status_code, second.status_code]
+
+        assert asyncio.run(run()) == [200, 429]
+        assert s.gw.active == 0 and s.gw.waiting == 0
+        assert httpx.post(f"{s.gateway.url}/v1/chat/completions", json=chat(n=1)).status_code == 200
+
+
+def test_draining_instance_gets_no_new_requests():
+    with stack() as s:
+        s.engine("d0", "m", "decode", 1.0, FAST)
+        s.engine("d1", "m", "decode", 1.0, FAST)
+        s.registry.set_state("d1", InstanceState.DRAINING)
+        for _ in range(10):
+            assert httpx.post(f"{s.gateway.url}/v1/chat/completions", json=chat(n=1)).status_code == 200
+        assert (s.state("d0").served, s.state("d1").served) == (10, 0)
+
+
+def test_traffic_split_matches_weights_under_load():
+    weights = {"d0": 1.0, "d1": 2.0, "d2": 5.0}
+    timing = EngineTiming.constant(0.002, 0.001)
+    n_requests, concurrency = 400, 6
+    with stack() as s:
+        s.engine("p0", "m", "prefill", 1.0, timing)
+        for iid, w in weights.items():
+            s.engine(iid, "m", "decode", w, timing)
+
+        async def run() -> Counter[str]:
+            sem = asyncio.Semaphore(concurrency)
+            async with httpx.AsyncClient(base_url=s.gateway.url, timeout=30) as c:
+
+                async def one(i: int) -> str:
+                    async with sem:
+                        r = await c.post(
+                            "/v1/chat/completions", json=chat(n=3, stream=i % 2 == 0, text=f"q {i}")
+                        )
+                        assert r.status_code == 200
+                        return r.headers["x-coral-instance"]
+
+                return Counter(await asyncio.gather(*(one(i) for i in range(n_requests))))
+
+        counts = asyncio.run(run())
+        total_w = sum(weights.values())
+        for iid, w in weights.items():
+            assert counts[iid] / n_requests == pytest.approx(w / total_w, abs=0.03)
+        state = s.gw.state()
+        assert all(e["inflight"] == 0 for e in state["instances"])
+        assert state["latency"]["m"]["count"] == n_requests
+
+
+def test_killed_instance_loses_no_unstarted_request():
+    """Kill one of two engines mid-run: only requests that already streamed from it may fail."""
+    timing = EngineTiming.constant(0.1, 0.002)  # most of a request's time is before its first token
+    n_requests, n_tokens = 60, 10
+    with stack(GatewayConfig(health_interval_s=0.1)) as s:
+        s.engine("d0", "m", "decode", 1.0, timing)
+        s.engine("d1", "m", "decode", 1.0, timing)
+        outcomes: list[tuple[bool, bool]] = []  # (got a first chunk, completed)
+
+        async def run() -> None:
+            sem = asyncio.Semaphore(8)
+            async with httpx.AsyncClient(base_url=s.gateway.url, timeout=30) as c:
+
+                async def one(i: int) -> None:
+                    async with sem:
+                        started = done = False
+                        try:
+                            async with c.stream(
+                                "POST",
+                                "/v1/completions",
+                                json={
+                                    "model": "m",
+                                    "prompt": f"p {i}",
+                                    "max_tokens": n_tokens,
+                                    "stream": True,
+                                },
+                            ) as r:
+                                assert r.status_code == 200, await r.aread()
+                                async for line in r.aiter_lines():
+                                    if line.startswith('data: {"id"'):
+                                        started = True
+                                    done = done or line == "data: [DONE]"
+                        except httpx.HTTPError:
+                            pass
+                        outcomes.append((started, done))
+                        if len(outcomes) == 15:
+                            s.engines["d1"].stop(force=True)
+
+                await asyncio.gather(*(one(i) for i in range(n_requests)))
+
+        asyncio.run(run())
+        assert len(outcomes) == n_requests
+        assert all(started for started, _ in outcomes), "a request failed before its first token"
+        assert sum(done for _, done in outcomes) >= n_requests - 8  # at most the ones streaming from d1
+        assert wait_for(lambda: all(e.inflight == 0 for e in s.registry.all()))
+        assert wait_for(lambda: not s.registry.get("d1").healthy)  # type: ignore[union-attr]
+        assert s.state("d0").served > n_requests // 2
+        client_failures = sum(not done for _, done in outcomes)
+        assert s.registry.get("d1").failed > client_failures  # type: ignore[union-attr]  # the rest were retried
+
+
+def test_client_cancel_releases_inflight():
+    slow = EngineTiming.constant(0.0, 0.05)
+    with stack() as s:
+        s.engine("d0", "m", "decode", 1.0, slow)
+        with httpx.stream("POST", f"{s.gateway.url}/v1/chat/completions", json=chat(n=200, stream=True)) as r:
+            lines = r.iter_lines()  # keep a reference: a dropped line iterator closes the connection
+            first = next(lines)
+            assert first.startswith('data: {"id"'), first
+            assert s.registry.get("d0").inflight == 1  # type: ignore[union-attr]
+        assert wait_for(lambda: s.registry.get("d0").inflight == 0 and s.gw.active == 0)  # type: ignore[union-attr]
+
+
+def test_instance_removed_mid_request_keeps_counts_consistent():
+    slow = EngineTiming.constant(0.0, 0.02)
+    with stack() as s:
+        s.engine("d0", "m", "decode", 1.0, slow)
+        old = s.registry.get("d0")
+        assert old is not None
+        with httpx.stream("POST", f"{s.gateway.url}/v1/chat/completions", json=chat(n=5, stream=True)) as r:
+            lines = r.iter_lines()
+            next(lines)
+            s.registry.remove("d0")  # churn: the instance leaves and comes back while a request runs on it
+            new = s.registry.add(Endpoint("d0", "m", "decode", s.engines["d0"].url, 1.0, InstanceState.READY))
+            rest = list(lines)
+        assert "data: [DONE]" in rest
+        assert wait_for(lambda: old.inflight == 0)
+        assert (old.served, new.inflight, new.served) == (1, 0, 0)
+
+
+# --- routing rule, no servers ---------------------------------------------------------------------------
+@settings(max_examples=60, deadline=None)
+@given(weights=st.lists(st.integers(1, 9), min_size=1, max_size=6), rounds=st.integers(1, 4))
+def test_smooth_wrr_is_exact_when_requests_finish(weights, rounds):
+    reg = Registry()
+    for k, w in enumerate(weights):
+        reg.add(Endpoint(f"e{k}", "m", "decode", "http://x", float(w), InstanceState.READY))
+    counts: Counter[str] = Counter()
+    for _ in range(rounds * sum(weights)):
+        ep = reg.pick("m", "decode")
+        assert ep is not None
+        counts[ep.id] += 1
+        reg.release(ep, ok=True)
+    assert [counts[f"e{k}"] for k in range(len(weights))] == [rounds * w for w in weights]
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    states=st.lists(st.sampled_from(list(InstanceState)), min_size=2, max_size=6),
+    healthy=st.lists(st.booleans(), min_size=6, max_size=6),
+)
+def test_only_ready_healthy_instances_are_picked(states, healthy):
+    reg = Registry()
+    for k, stt in enumerate(states):
+        reg.add(Endpoint(f"e{k}", "m", "decode", "http://x", 1.0 + k, stt, healthy=healthy[k]))
+    ok = {f"e{k}" for k, stt in enumerate(states) if stt is InstanceState.READY and healthy[k]}
+    for _ in range(20):
+        ep = reg.pick("m", "decode")
+        assert (ep is None) == (not ok)
+        if ep is not None:
+            assert ep.id in ok
+
+
+def test_least_outstanding_correction_skips_a_stalled_instance():
+    reg = Registry(max_excess=2)
+    for k in range(2):
+        reg.add(Endpoint(f"e{k}", "m", "decode", "http://x", 1.0, InstanceState.READY))
+    picks = []
+    for _ in range(40):  # e1 answers at once, e0 never does
+        ep = reg.pick("m", "decode")
+        assert ep is not None
+        picks.append(ep.id)
+        if ep.id == "e1":
+            reg.release(ep, ok=True)
+    stalled = reg.get("e0")
+    assert stalled is not None
+    # e0 may exceed its weighted share of in-flight requests (half of them) by at most max_excess
+    assert stalled.inflight - (stalled.inflight + 1) / 2 <= 2 + 1
+    assert picks[-20:] == ["e1"] * 20
+
+
+def test_retry_on_5xx_before_first_token():
+    from fastapi import FastAPI
+    from fastapi.responses import JSONResponse
+
+    broken = FastAPI()
+
+    @broken.post("/v1/chat/completions")
+    async def fail() -> JSONResponse:
+        return JSONResponse({"error": "boom"}, 500)
+
+    with stack() as s:
+        s.engine("good", "m", "decode", 1.0, FAST)
+        bad = ServerThread(broken).start()
+        s.engines["bad"] = bad
+        s.registry.add(Endpoint("bad", "m", "decode", bad.url, 10.0, InstanceState.READY))
+        for stream in (False, True):
+            for _ in range(5):
+                r = httpx.post(f"{s.gateway.url}/v1/chat/completions", json=chat(n=2, stream=stream))
+                assert r.status_code == 200 and r.headers["x-coral-instance"] == "good"
+        ep = s.registry.get("bad")
+        assert ep is not None and ep.failed > 0 and ep.served == 0 and ep.inflight == 0
+        assert s.state("good").served == 10
+        s.registry.set_state("good", InstanceState.DRAINING)  # only the broken one left: 502 after retries
+        r = httpx.post(f"{s.gateway.url}/v1/chat/completions", json=chat(n=2))
+        assert r.status_code == 502 and "HTTP 500" in r.json()["error"]["message"]
+
+
+def test_emulated_timing_follows_perf_model():
+    from coral.catalog.loader import builtin_catalog
+    from coral.perf.roofline import RooflineModel
+    from coral.runtime.handmade import make_instance
+
+    cat = builtin_catalog()
+    one = make_instance("phi-4", "decode", [(40, ["1xL40S"])], 1.0)
+    two = make_instance("phi-4", "decode", [(20, ["1xL40S"]), (20, ["1xL4"])], 1.0)
+    perf = RooflineModel()
+    t1 = EngineTiming.from_instance(one, cat.model("phi-4"), cat, perf)
+    t2 = EngineTiming.from_instance(two, cat.model("phi-4"), cat, perf)
+    assert 0 < t1.prefill_s(100) < t1.prefill_s(2000)
+    assert t1.decode_step_s(1, 500) < t1.decode_step_s(64, 500)
+    assert t2.decode_step_s(8, 500) > t1.decode_step_s(8, 500)  # half the layers on a slower L4
+    assert token_text("x y", 3) == token_text("x y", 3) != token_text("x z", 3)
+
+
+def test_pd_falls_back_to_local_prefill_when_prefill_pool_is_down():
+    with stack() as s:
+        s.engine("p0", "m", "prefill", 1.0, FAST)
+        s.engine("d0", "m", "decode", 1.0, FAST)
+        s.registry.set_state("p0", InstanceState.DRAINING)
+        r = httpx.post(f"{s.gateway.url}/v1/chat/completions", json=chat(n=3))
+        assert r.status_code == 200
+        assert (s.state("p0").served, s.state("d0").prefills) == (0, 1)
+        assert 'coral_gateway_pd_fallback_total{model="m"} 1.0' in httpx.get(f"{s.gateway.url}/metrics").text
+
+
+def test_emulated_prefill_batches_waiting_prompts():
+    timing = EngineTiming(prefill_s=lambda n: 0.1, decode_step_s=lambda a, c: 0.0)
+    with stack() as s:
+        s.engine("d0", "m", "decode", 1.0, timing)
+
+        async def run() -> list[int]:
+            async with httpx.AsyncClient(base_url=s.engines["d0"].url, timeout=10) as c:
+                rs = await asyncio.gather(
+                    *(c.post("/v1/completions", json={"model": "m", "prompt": f"p{i}"}) for i in range(6))
+                )
+                return [r.status_code for r in rs]
+
+        assert asyncio.run(run()) == [200] * 6
+        st = s.state("d0")
+        assert st.prefills == 6 and 1 <= st.prefill_steps < 6
