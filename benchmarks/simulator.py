@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 from pathlib import Path
 
@@ -23,7 +22,7 @@ from rich.table import Table
 from coral.allocation.allocator import allocate
 from coral.allocation.plan import Plan
 from coral.catalog.loader import load_scenario
-from coral.cli.templates import load_or_build
+from coral.experiments.allocation import load_library
 from coral.simulation import simulate, workload_for
 from coral.simulation.stand_in import greedy_plan
 
@@ -43,7 +42,7 @@ def main() -> None:
     if args.plan:
         plan = Plan.load(args.plan)
     else:
-        library = load_or_build(args.scenario, args.out, os.cpu_count())
+        library = load_library(args.scenario, args.out)
         plan = greedy_plan(library, sc) if args.greedy else allocate(library, sc, time_limit=120.0)
     requests = workload_for(sc, args.duration, seed=0)
     rows = []

@@ -363,3 +363,16 @@ def test_explicit_availability_and_bad_inputs() -> None:
         allocate(lib, sc, availability={"mars": {"1xL4": 1}})
     with pytest.raises(CoralInputError, match="demand"):
         allocate(lib, sc, availability=UNLIMITED, demand={("a", Phase.PREFILL): -1.0})
+
+
+def test_target_utilization_scales_planned_capacity() -> None:
+    """Planning at 80% utilisation asks for demand / 0.8 of capacity, for Coral and the baselines alike."""
+    from coral.allocation.allocator import _keys_and_demand
+    from coral.catalog.loader import load_scenario
+
+    sc = load_scenario("core")
+    keys, full = _keys_and_demand(sc, None)
+    _, part = _keys_and_demand(sc.model_copy(update={"target_utilization": 0.8}), None)
+    assert np.allclose(part, full / 0.8)
+    _, explicit = _keys_and_demand(sc.model_copy(update={"target_utilization": 0.5}), {keys[0]: 100.0})
+    assert explicit.tolist() == [200.0]

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 import highspy
 import numpy as np
 
+from coral.highs import quiet_highs
+
 
 @dataclass
 class SparseRows:
@@ -105,7 +107,7 @@ def solve(
     lp.sense_ = highspy.ObjSense.kMaximize if maximise else highspy.ObjSense.kMinimize
     if not relax and integer.any():
         lp.integrality_ = [highspy.HighsVarType.kInteger if b else highspy.HighsVarType.kContinuous for b in integer]
-    h = highspy.Highs()
+    h = quiet_highs()
     h.setOptionValue("output_flag", False)
     h.setOptionValue("time_limit", float(max(time_limit, 0.01)))
     h.setOptionValue("mip_rel_gap", float(gap))

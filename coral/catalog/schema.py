@@ -191,6 +191,10 @@ class Scenario(_Strict):
     availability_schedule: AvailabilitySchedule | None = Field(
         default=None, description="availability over simulated time; overrides `availability` from each step on"
     )
+    target_utilization: float = Field(
+        default=1.0, gt=0, le=1,
+        description="plan capacity = demand / this; below 1 leaves headroom for bursts and queueing",
+    )
     n_max: int = Field(default=6, ge=1, le=8)
     rho: float = Field(default=12.0, gt=1)
     init_penalty_k: float = Field(default=0.1, ge=0, description="node init time / adjustment interval")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from coral.cli import allocate, deploy, models, perf, report, runtime, simulate, templates
+from coral.cli import allocate, deploy, models, perf, report, run, runtime, simulate, templates
 
 app = typer.Typer(
     name="coral",
@@ -14,7 +14,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 
-for module in (models, perf, templates, allocate, simulate, runtime, deploy, report):
+for module in (run, models, perf, templates, allocate, simulate, runtime, deploy, report):
     module.register(app)
 
 

@@ -10,7 +10,7 @@ from rich.table import Table
 from coral.allocation.plan import Plan
 from coral.catalog.loader import CoralInputError, load_scenario
 from coral.cli.common import DEFAULT_OUT, console, friendly_errors
-from coral.cli.templates import load_or_build
+from coral.experiments.allocation import load_library
 from coral.simulation.availability import load_availability
 from coral.simulation.engine import Replanner
 from coral.simulation.metrics import SimResult
@@ -93,7 +93,7 @@ def simulate_cmd(
     requests = workload_for(sc, duration_s, seed, files, rate_scale=rate_scale)
     sched = load_availability(availability, sc) if availability else sc.availability_schedule
     fixed_plan = Plan.load(plan) if plan is not None else None
-    library = load_or_build(scenario, out) if fixed_plan is None else None
+    library = load_library(scenario, out) if fixed_plan is None else None
     results = []
     for r in routers:
         runner: Plan | Replanner

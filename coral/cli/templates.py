@@ -14,23 +14,12 @@ from coral.catalog.loader import CoralInputError, builtin_catalog, load_scenario
 from coral.cli.common import DEFAULT_OUT, console, friendly_errors, library_path
 from coral.perf.roofline import PerfParams, RooflineModel
 from coral.templates.build import build_library
-from coral.templates.library import TemplateLibrary
 
 templates_app = typer.Typer(help="Offline stage: the Serving Template Library.", no_args_is_help=True)
 
 
 def register(app: typer.Typer) -> None:
     app.add_typer(templates_app, name="templates")
-
-
-def load_or_build(scenario: str, out: Path = DEFAULT_OUT, workers: int | None = None) -> TemplateLibrary:
-    """The scenario's library from `out/`, built (with a progress bar) when missing."""
-    path = library_path(scenario, out)
-    if path.exists():
-        return TemplateLibrary.load(path)
-    lib = build_library(load_scenario(scenario), workers=workers or os.cpu_count(), progress=True)
-    lib.save(path)
-    return lib
 
 
 @templates_app.command("build")
@@ -78,7 +67,9 @@ def show_cmd(
     """Best templates of a model by tokens/s per $ in a region."""
     if phase not in ("prefill", "decode"):
         raise CoralInputError(f"--phase: must be prefill or decode, not {phase!r}")
-    lib = load_or_build(scenario, out)
+    from coral.experiments.allocation import load_library
+
+    lib = load_library(scenario, out)
     sc = load_scenario(scenario)
     region = region or sc.regions[0]
     if region not in sc.regions:

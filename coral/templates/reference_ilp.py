@@ -7,6 +7,8 @@ from dataclasses import dataclass
 import highspy
 import numpy as np
 
+from coral.highs import quiet_highs
+
 
 @dataclass(frozen=True)
 class IlpResult:
@@ -75,7 +77,7 @@ def solve_stage_count(slots: list[int], tables: np.ndarray, s_count: int, time_l
     upper[t_col] = np.inf
     integer = np.ones(n_cols, dtype=bool)
     integer[t_col] = False
-    h = highspy.Highs()
+    h = quiet_highs()
     h.setOptionValue("output_flag", False)
     h.setOptionValue("time_limit", float(time_limit))
     h.setOptionValue("mip_rel_gap", 1e-9)
