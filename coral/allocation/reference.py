@@ -14,25 +14,12 @@ import itertools
 import numpy as np
 
 from coral.allocation import milp
+from coral.templates.placement import all_placements
 
 
 def placements(slots: tuple[int, ...], tables: np.ndarray) -> list[float]:
-    """Throughput of every placement of the nodes `slots` (config indices): all stage assignments (as ordered
-    stage labels) and layer splits. `tables` (S_max, C, L+1) is node throughput for j layers with S stages."""
-    n, n_layers = len(slots), tables.shape[2] - 1
-    out = []
-    for assign in itertools.product(range(n), repeat=n):
-        s_count = max(assign) + 1
-        if sorted(set(assign)) != list(range(s_count)) or s_count > n_layers:
-            continue
-        for split in itertools.product(range(1, n_layers + 1), repeat=s_count):
-            if sum(split) != n_layers:
-                continue
-            stage = [0.0] * s_count
-            for k, s in enumerate(assign):
-                stage[s] += float(tables[s_count - 1, slots[k], split[s]])
-            out.append(min(stage))
-    return out
+    """Throughput of every placement of the nodes `slots`; see `coral.templates.placement.all_placements`."""
+    return list(all_placements(slots, tables))
 
 
 def joint_cost(tables: np.ndarray, n_max: int, prices: list[dict[int, float]], availability: list[dict[int, int]],

@@ -15,6 +15,8 @@ nodes gives the optimum in microseconds per node set.
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Iterator, Sequence
 from functools import cache
 
 import numpy as np
@@ -203,13 +205,11 @@ def solve_node_sets(
     )
 
 
-def brute_force(slots: list[int], tables: np.ndarray) -> float:
-    """Reference by exhaustive search over every assignment and layer split (tiny inputs only)."""
-    import itertools
-
+def all_placements(slots: Sequence[int], tables: np.ndarray) -> Iterator[float]:
+    """Throughput of every placement of the nodes `slots` (config indices): each stage assignment (as ordered
+    stage labels) and layer split, by exhaustive search (tiny inputs only)."""
     n = len(slots)
     n_layers = tables.shape[2] - 1
-    best = 0.0
     for assign in itertools.product(range(n), repeat=n):
         s_count = max(assign) + 1
         if sorted(set(assign)) != list(range(s_count)) or s_count > n_layers:
@@ -218,7 +218,11 @@ def brute_force(slots: list[int], tables: np.ndarray) -> float:
             if sum(split) != n_layers:
                 continue
             stage = [0.0] * s_count
-            for k, s in enumerate(assign):
-                stage[s] += tables[s_count - 1, slots[k], split[s]]
-            best = max(best, min(stage))
-    return best
+            for k, st in enumerate(assign):
+                stage[st] += float(tables[s_count - 1, slots[k], split[st]])
+            yield min(stage)
+
+
+def brute_force(slots: Sequence[int], tables: np.ndarray) -> float:
+    """The best placement's throughput by exhaustive search: the reference for the fast solver."""
+    return max(all_placements(slots, tables), default=0.0)
