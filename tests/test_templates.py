@@ -58,7 +58,7 @@ def test_parity_with_paper_ilp_on_random_node_sets() -> None:
     """The fast solver equals the HiGHS ILP of §4.2 on random node sets, including odd ones."""
     rng = np.random.default_rng(2026)
     cases = 0
-    for _ in range(120):
+    for _ in range(300):
         n_configs, n_layers, n = int(rng.integers(1, 4)), int(rng.integers(1, 9)), int(rng.integers(1, 5))
         tables = random_tables(rng, n, n_configs, n_layers)
         if rng.random() < 0.1:
@@ -68,7 +68,7 @@ def test_parity_with_paper_ilp_on_random_node_sets() -> None:
         ref = solve_reference(slots, tables)
         assert fast[0] == pytest.approx(ref.throughput, rel=1e-6, abs=1e-6), (slots, tables)
         cases += 1
-    assert cases == 120
+    assert cases == 300
 
 
 @settings(max_examples=150, deadline=None)
