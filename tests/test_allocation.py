@@ -366,13 +366,16 @@ def test_explicit_availability_and_bad_inputs() -> None:
 
 
 def test_target_utilization_scales_planned_capacity() -> None:
-    """Planning at 80% utilisation asks for demand / 0.8 of capacity, for Coral and the baselines alike."""
+    """Planning at a target utilisation asks for demand / target per phase, for Coral and the baselines alike."""
     from coral.allocation.allocator import _keys_and_demand
     from coral.catalog.loader import load_scenario
+    from coral.catalog.schema import TargetUtilization
 
     sc = load_scenario("core")
-    keys, full = _keys_and_demand(sc, None)
-    _, part = _keys_and_demand(sc.model_copy(update={"target_utilization": 0.8}), None)
-    assert np.allclose(part, full / 0.8)
-    _, explicit = _keys_and_demand(sc.model_copy(update={"target_utilization": 0.5}), {keys[0]: 100.0})
-    assert explicit.tolist() == [200.0]
+    full_sc = sc.model_copy(update={"target_utilization": TargetUtilization(prefill=1.0, decode=1.0)})
+    keys, full = _keys_and_demand(full_sc, None)
+    _, part = _keys_and_demand(sc, None)
+    target = np.array([0.55 if str(p) == "prefill" else 0.8 for _, p in keys])
+    assert np.allclose(part, full / target)
+    _, explicit = _keys_and_demand(sc, {keys[0]: 110.0})
+    assert explicit.tolist() == [pytest.approx(110.0 / target[0])]

@@ -16,9 +16,9 @@ from coral.report.inputs import LatencySeries, cdf_at, cdf_points, quantile
 from coral.report.view import gpu_colors, gpu_cost_split, live_section
 
 # Hand-computed from offerings.yaml (aws-us-east-2: 1xL40S 1.861, 4xL4 4.6016, 1xA10G 1.006;
-# aws-ap-northeast-2: 1xL40S 2.289, 1xL4 0.9896).
+# aws-ap-northeast-2: 1xL40S 2.288, 1xL4 0.9896).
 QWEN_PREFILL = 1.861 + 4.6016 + 2 * 1.006
-QWEN_DECODE = 2 * 2.289
+QWEN_DECODE = 2 * 2.288
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +38,7 @@ def test_every_breakdown_adds_up_to_the_plan_cost(vm: dict) -> None:
 def test_cost_per_model_golden(vm: dict) -> None:
     by_model = {b["label"]: b["value"] for b in vm["costs"]["by_model"]}
     assert by_model["qwen3-32b"] == pytest.approx(2 * QWEN_PREFILL + 2 * QWEN_DECODE)
-    assert by_model["gpt-oss-20b"] == pytest.approx(2.289 + 0.9896 + 0.8048)
+    assert by_model["gpt-oss-20b"] == pytest.approx(2.288 + 0.9896 + 0.8048)
     values = [b["value"] for b in vm["costs"]["by_model"]]
     assert values == sorted(values, reverse=True)
 

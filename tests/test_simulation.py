@@ -158,10 +158,12 @@ def test_prefill_saturates_at_planned_capacity(stages: list[tuple[int, list[str]
 
 
 @pytest.mark.parametrize("stages", [[(40, ["1xL40S"])], [(20, ["1xL40S"]), (20, ["1xL40S"])],
-                                    [(40, ["1xL40S", "4xA10G"])]])
+                                    [(40, ["1xL40S", "4xA10G"])], [(28, ["4xA10G"]), (12, ["1xL40S"])],
+                                    [(8, ["1xL4"]), (32, ["4xL40S"])]])
 def test_decode_saturates_at_planned_capacity(stages: list[tuple[int, list[str]]]) -> None:
     """Offered 2x the decode capacity, tokens come out at the planned decode tokens/s (not more: the runtime
-    keeps the template's batch, which is what meets the TPOT SLO)."""
+    keeps the template's batch, which is what meets the TPOT SLO). In an unbalanced pipeline the slowest
+    stage paces every micro-batch (summing stage step times would give ~15% more than planned)."""
     inp, out = 1155, 211
     decode = instance("phi-4", "decode", stages)
     cap = decode.throughput
@@ -180,7 +182,8 @@ def test_decode_saturates_at_planned_capacity(stages: list[tuple[int, list[str]]
     done = pr["done_s"]
     a, b = 100.0, 700.0
     assert (out - 1) * ((done >= a) & (done < b)).sum() / (b - a) == pytest.approx(cap, rel=0.04)
-    assert res.model("phi-4").decode_batch_fill > 0.95
+    if len(stages) == 1 or stages[0] == stages[1]:  # else one stage's larger batch cap is never reached
+        assert res.model("phi-4").decode_batch_fill > 0.95
     in_batch = (done - pr["decode_admit_s"]) / (out - 1)  # queueing for a slot is not the batch's fault
     assert np.nanmax(in_batch) <= SM["phi-4"].decode_slo_ms / 1e3
 

@@ -47,13 +47,14 @@ class _Context:
 
 
 def _keys_and_demand(scenario: Scenario, demand: Mapping[DemandKey, float] | None) -> tuple[list[DemandKey], np.ndarray]:
-    """Capacity to plan per (model, phase): the demand (traffic tokens/s) / scenario.target_utilization."""
+    """Capacity to plan per (model, phase): the demand (traffic tokens/s) / the phase's target utilisation."""
     base = scenario_demand(scenario) if demand is None else {(m, Phase(p)): float(v) for (m, p), v in demand.items()}
     for (m, p), v in base.items():
         if v < 0 or not math.isfinite(v):
             raise CoralInputError(f"demand[{m}/{p}]: must be a finite number >= 0, not {v}")
     keys = list(base)
-    return keys, np.array([base[k] for k in keys], dtype=float) / scenario.target_utilization
+    target = scenario.target_utilization
+    return keys, np.array([base[k] / target.of(str(k[1])) for k in keys], dtype=float)
 
 
 def _context(library: TemplateLibrary, scenario: Scenario, demand: Mapping[DemandKey, float] | None,

@@ -178,6 +178,18 @@ class AvailabilitySchedule(_Strict):
         return out
 
 
+class TargetUtilization(_Strict):
+    """Planned load / capacity per phase; 1 plans for demand exactly, as the paper does. The built-in scenarios
+    use prefill 0.55 / decode 0.8, which reach ~92% simulated SLO attainment on their bursty traces (prefill
+    queues grow fast past ~60% load; decode holds up to ~80%)."""
+
+    prefill: float = Field(default=1.0, gt=0, le=1)
+    decode: float = Field(default=1.0, gt=0, le=1)
+
+    def of(self, phase: str) -> float:
+        return self.prefill if phase == "prefill" else self.decode
+
+
 class Scenario(_Strict):
     schema_version: Literal[1] = 1
     name: str
@@ -191,9 +203,9 @@ class Scenario(_Strict):
     availability_schedule: AvailabilitySchedule | None = Field(
         default=None, description="availability over simulated time; overrides `availability` from each step on"
     )
-    target_utilization: float = Field(
-        default=1.0, gt=0, le=1,
-        description="plan capacity = demand / this; below 1 leaves headroom for bursts and queueing",
+    target_utilization: TargetUtilization = Field(
+        default_factory=lambda: TargetUtilization(),
+        description="plan capacity = demand / this, per phase; headroom for bursts and queueing",
     )
     n_max: int = Field(default=6, ge=1, le=8)
     rho: float = Field(default=12.0, gt=1)

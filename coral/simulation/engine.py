@@ -11,10 +11,13 @@ free batch slot. It is charged its prompt plus half its output ("mean": what a p
 average over its decode, so the cache's occupancy matches vLLM's without simulating preemption) or its whole
 final context ("max": reserve up front, never preempt). Then its KV cache crosses from prefill to decode nodes
 (per decode stage: attended prompt tokens x KV bytes x the stage's layers over the slower NIC; stages transfer
-in parallel) and it joins the batches of its path. Each token passes the path's S stage nodes: a sequence makes one token per
-sum of its nodes' step times, where a node's step time is that of a micro-batch of ceil(k/S) of the k
-sequences it holds at their mean context (prompt + output/2 each, the perf model's decode context). Step times only change when a batch changes, so instead of one event per step the loop
-jumps from one change to the next (per path: a virtual token clock and a heap of finishing targets) — the
+in parallel) and it joins the batches of its path. Each token passes the path's S stage nodes, where a node's
+step time is that of a micro-batch of ceil(k/S) of the k sequences it holds at their mean context (prompt +
+output/2 each, the perf model's decode context). A sequence makes one token per pipeline cycle: the sum of its
+nodes' step times, or, with m = min(S, k) micro-batches in flight, m x the slowest node's step time if that is
+longer (the bottleneck stage runs the micro-batches one after another; the planner's "slowest stage").
+Step times only change when a batch changes, so instead of one event per step the loop jumps from one change
+to the next (per path: a virtual token clock and a heap of finishing targets) — the
 same arithmetic as stepping, with a joining sequence starting at once rather than at the next step boundary.
 """
 
@@ -92,6 +95,20 @@ class DNode:
         self.busy_time = 0.0
 
 
+def cycle_s(nodes: tuple[DNode, ...]) -> float:
+    """Seconds per token of a sequence on a decode path: one micro-batch's pass over the stages, or, with
+    several micro-batches in flight, the bottleneck node's step time once per micro-batch."""
+    if len(nodes) == 1:
+        return nodes[0].dt
+    total = slowest = 0.0
+    in_flight = len(nodes)
+    for n in nodes:
+        total += n.dt
+        slowest = n.dt if n.dt > slowest else slowest
+        in_flight = n.k if n.k < in_flight else in_flight
+    return max(total, in_flight * slowest)
+
+
 class Path:
     """One node per stage of a decode instance; `progress` counts tokens made by each of its sequences."""
 
@@ -101,7 +118,7 @@ class Path:
         self.nodes, self.layers, self.inst = nodes, layers, inst
         self.progress = 0.0
         self.t_last = 0.0
-        self.rate = 1.0 / sum(n.dt for n in nodes)
+        self.rate = 1.0 / cycle_s(nodes)
         self.heap: list[tuple[float, int]] = []
         self.version = 0
         for n in nodes:
@@ -486,7 +503,7 @@ class Engine:
             n.ctx_sum = n.ctx_sum + delta * ctx if k else 0.0
             n.dt = decode_step(n.table, k, n.ctx_sum / k if k else 1.0)
         for p in touched:
-            p.rate = 1.0 / sum(n.dt for n in p.nodes) if len(p.nodes) > 1 else 1.0 / p.nodes[0].dt
+            p.rate = 1.0 / cycle_s(p.nodes)
             p.version += 1
             if p.heap:
                 self.seq += 1
