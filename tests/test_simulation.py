@@ -188,6 +188,39 @@ def test_decode_saturates_at_planned_capacity(stages: list[tuple[int, list[str]]
     assert np.nanmax(in_batch) <= SM["phi-4"].decode_slo_ms / 1e3
 
 
+def test_pipeline_runs_one_batch_through_all_stages() -> None:
+    """Every sequence passes every stage, so a pipeline's micro-batch is capped by its smallest stage and the
+    other stages run that batch too: qwen3-32b on [19 layers 1xL40S, 45 1xH100] delivers K / (2 x the L40S's
+    step at K) with K the H100's cap (~2450 tokens/s), not the per-stage figure min(4289, 3850) the templates
+    rate it at (the L40S's 4289 needs its own batch of 190 per micro-batch)."""
+    from coral.simulation.kernels import decode_step
+
+    sc = load_scenario("extended")
+    qwen = next(m for m in sc.models if m.model == "qwen3-32b")
+    kc = KernelCache(sc, CAT, PM)
+    kerns = [kc.kernel("qwen3-32b", "decode", c, j, 2) for c, j in (("1xL40S", 19), ("1xH100", 45))]
+    k = min(kern.cap for kern in kerns)
+    assert k < max(kern.cap for kern in kerns)
+    ctx = qwen.mean_input_tokens + qwen.mean_output_tokens / 2
+    expect = k / (2 * max(decode_step(kern.ctx_table, k, ctx) for kern in kerns))
+    stages = [PlanStage(first_layer=0, layers=19, nodes=["1xL40S"], node_throughput=[1.0]),
+              PlanStage(first_layer=19, layers=45, nodes=["1xH100"], node_throughput=[1.0])]
+    dec = PlanInstance(id="q.decode", model="qwen3-32b", phase="decode", template_id=0, region=REGION,
+                       counts={"1xL40S": 1, "1xH100": 1}, stages=stages, throughput=1.0, cost_per_hour=1.0)
+    pre = [PlanInstance(id=f"q.prefill.{i}", model="qwen3-32b", phase="prefill", template_id=1, region=REGION,
+                        counts={"1xH100": 1}, throughput=1.0, cost_per_hour=1.0,
+                        stages=[PlanStage(first_layer=0, layers=64, nodes=["1xH100"], node_throughput=[1.0])])
+           for i in range(4)]
+    inp, out, dur = int(qwen.mean_input_tokens), int(qwen.mean_output_tokens), 200.0
+    rate = 1.5 * expect / (out - 1)
+    reqs = {"qwen3-32b": fixed(int(rate * dur), 1 / rate, inp, out)}
+    res = simulate(plan_of("extended", [*pre, dec]), sc, reqs, duration_s=dur, seed=0, drain_limit_s=0.0)
+    done = res.per_request()["done_s"]
+    a, b = 50.0, dur
+    assert (out - 1) * ((done >= a) & (done < b)).sum() / (b - a) == pytest.approx(expect, rel=0.03)
+    assert 2300 < expect < 2600
+
+
 @pytest.mark.parametrize("kv_reserve", ["mean", "max"])
 def test_kv_capacity_limits_concurrency(kv_reserve: str) -> None:
     """Long contexts: a decode node only holds as many sequences as its KV cache fits; the rest queue. A
@@ -319,6 +352,25 @@ def test_wrr_splits_by_template_throughput() -> None:
     served = {i.id: i.served for i in res.instances}
     share = served[small.id] / (served[small.id] + served[big.id])
     assert share == pytest.approx(small.throughput / (small.throughput + big.throughput), abs=0.002)
+
+
+def test_full_dp_node_does_not_hold_up_the_others() -> None:
+    """A decode stage of a small and a big node: a burst that fits their KV together is admitted at once, even
+    after WRR's share for the small node exceeds its room (the node is chosen at admission, not at routing)."""
+    dec = instance("phi-4", "decode", [(40, ["1xL40S", "4xL40S"])])
+    kc = KernelCache(SC, CAT, PM)
+    inp, out = 3000, 400
+    kerns = [kc.kernel("phi-4", "decode", c, 40, 1) for c in dec.stages[0].nodes]
+    room = [min(k.cap, int(k.kv_tokens // (inp + out / 2))) for k in kerns]
+    thr = dec.stages[0].node_throughput
+    assert room[0] / sum(room) < 0.7 * thr[0] / sum(thr)  # WRR alone would overfill the small node
+    n = sum(room)
+    prefill = [instance("phi-4", "prefill", [(40, ["4xL40S"])], i) for i in range(8)]
+    res = simulate(plan_of("core", [*prefill, dec]), SC, one_model(fixed(n, 0.02, inp, out)), duration_s=60)
+    pr = res.per_request()
+    assert (pr["done_count"] == 1).all()
+    np.testing.assert_allclose(pr["decode_admit_s"], pr["first_token_s"])
+    assert [i.served for i in res.instances if i.phase == "decode"] == [n]
 
 
 def test_lor_balances_outstanding_and_both_routers_finish() -> None:
@@ -529,6 +581,25 @@ def test_stride_picks_in_proportion(weights: list[float]) -> None:
     counts = np.bincount([stride.pick() for _ in range(n)], minlength=len(weights))
     # stride scheduling stays within a few picks (at most the number of items) of the exact share
     np.testing.assert_allclose(counts, n * np.array(weights) / sum(weights), atol=len(weights))
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.floats(0.1, 100.0), min_size=2, max_size=6), st.data())
+def test_stride_pick_among_skips_only_the_excluded(weights: list[float], data: st.DataObject) -> None:
+    """With every item allowed `pick_among` is `pick`; with one excluded, the others keep their relative
+    shares."""
+    from coral.simulation.engine import Stride
+
+    items = list(range(len(weights)))
+    a, b = Stride(items, weights), Stride(items, weights)
+    assert [a.pick_among(items) for _ in range(200)] == [b.pick() for _ in range(200)]
+    out = data.draw(st.sampled_from(items))
+    rest = [i for i in items if i != out]
+    c = Stride(items, weights)
+    counts = np.bincount([c.pick_among(rest) for _ in range(3000)], minlength=len(items))
+    assert counts[out] == 0
+    w = np.array([weights[i] for i in rest])
+    np.testing.assert_allclose(counts[rest], 3000 * w / w.sum(), atol=len(items))
 
 
 @settings(max_examples=30, deadline=None)

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from coral.catalog.loader import CoralInputError, builtin_catalog, load_scenario
-from coral.perf import RooflineModel
+from coral.perf import RooflineModel, Workload
 from coral.perf.model import Phase
 from coral.templates.build import build_library, prepare_job, run_jobs, scenario_jobs
 from coral.templates.library import Stage, Template, TemplateLibrary, dominated_rows
@@ -181,3 +181,26 @@ def test_ray_build_equals_local() -> None:
         assert np.array_equal(a.throughput, b.throughput)
     finally:
         ray.shutdown()
+
+
+def test_pipeline_throughput_shares_one_micro_batch() -> None:
+    """Qwen3-32B decode on [1xL40S 19 layers -> 1xH100 45 layers]: the H100 caps the micro-batch at K (its KV
+    room / 2), so the L40S runs K too and the pipeline gives 2K / (2 t_L40S(K)), not min(T_L40S, T_H100)."""
+    sc = load_scenario("extended")
+    lib = build_library(sc, models=["qwen3-32b"])
+    pm, cat = RooflineModel(), builtin_catalog()
+    arch = cat.model("qwen3-32b")
+    sm = next(m for m in sc.models if m.model == "qwen3-32b")
+    w = Workload(sm.mean_input_tokens, sm.mean_output_tokens)
+    rows = [int(r) for r in lib.select("qwen3-32b", "decode")
+            if lib.template(int(r)).counts == {"1xL40S": 1, "1xH100": 1}]
+    assert rows
+    t = lib.template(rows[0])
+    by_cfg = {s.nodes[0]: s for s in t.stages}
+    h100, l40s = by_cfg["1xH100"], by_cfg["1xL40S"]
+    _, batch = pm.throughput_table(arch, Phase.DECODE, cat.node_config("1xH100"), sm.decode_slo_ms / 1e3, 2, w)
+    k = batch[h100.layers]
+    step = float(pm.step_time(arch, Phase.DECODE, cat.node_config("1xL40S"), l40s.layers, k, w, True))
+    assert t.throughput == pytest.approx(k / step, rel=0.02)
+    table, _ = pm.throughput_table(arch, Phase.DECODE, cat.node_config("1xL40S"), sm.decode_slo_ms / 1e3, 2, w)
+    assert t.throughput < min(table[l40s.layers], h100.node_throughput[0] * 2)

@@ -6,10 +6,11 @@ tokens, FCFS, up to the template's planned batch, and lasts the perf model's ste
 each chunk then queues at the request's next stage node (pipelined). Once the whole prompt has passed the last
 stage the first token is out (TTFT) and the router picks a decode instance.
 
-Decode: a request waits at its decode instance (FIFO) until every node of its path has KV room for it and a
-free batch slot. It is charged its prompt plus half its output ("mean": what a paged KV cache holds for it on
-average over its decode, so the cache's occupancy matches vLLM's without simulating preemption) or its whole
-final context ("max": reserve up front, never preempt). Then its KV cache crosses from prefill to decode nodes
+Decode: a request waits at its decode instance (FIFO) until each stage has a node with KV room for it and a
+free batch slot; its path is then the node of each stage that weighted round-robin (on node throughput) picks
+among those, so a full node never holds up requests another node of its stage could take. It is charged its
+prompt plus half its output ("mean": what a paged KV cache holds for it on average over its decode, so the
+cache's occupancy matches vLLM's without simulating preemption) or its whole final context ("max": reserve up front, never preempt). Then its KV cache crosses from prefill to decode nodes
 (per decode stage: attended prompt tokens x KV bytes x the stage's layers over the slower NIC; stages transfer
 in parallel) and it joins the batches of its path. Each token passes the path's S stage nodes, where a node's
 step time is that of a micro-batch of ceil(k/S) of the k sequences it holds at their mean context (prompt +
@@ -61,6 +62,14 @@ class Stride(Generic[T]):
         p, i = self.heap[0]
         heapq.heapreplace(self.heap, (p + self.step[i], i))
         return self.items[i]
+
+    def pick_among(self, allowed: list[T]) -> T:
+        """What `pick` would return if only the (non-empty) `allowed` items took part."""
+        best = min(e for e in self.heap if self.items[e[1]] in allowed)
+        if self.single is None:
+            self.heap[self.heap.index(best)] = (best[0] + self.step[best[1]], best[1])
+            heapq.heapify(self.heap)
+        return self.items[best[1]]
 
 
 class PNode:
@@ -162,6 +171,23 @@ class Instance:
     def pick_path(self) -> tuple[int, ...]:
         return tuple(p.pick() for p in self.pickers)
 
+    def path_with_room(self, need: float) -> Path | None:
+        """The decode path for a request charged `need` KV tokens: per stage, the node the weighted round-robin
+        would pick among those with a free batch slot and KV room (None while some stage has none)."""
+        def room(n: DNode) -> bool:
+            return n.slots < n.cap and n.kv_free >= min(need, n.kv_cap)
+
+        free = [[i for i, n in enumerate(st) if room(n)] for st in self.stages]
+        if not all(free):
+            return None
+        idx = [picker.pick_among(ok) for picker, ok in zip(self.pickers, free, strict=True)]
+        key = tuple(idx)
+        path = self.paths.get(key)
+        if path is None:
+            nodes = tuple(st[i] for st, i in zip(self.stages, key, strict=True))
+            path = self.paths[key] = Path(nodes, self.layers, self)
+        return path
+
 
 def signature(spec: PlanInstance) -> tuple[Any, ...]:
     """Instances with equal signatures are interchangeable across re-plans."""
@@ -255,7 +281,8 @@ class Engine:
         self.p_inst: list[Instance | None] = [None] * n
         self.p_nodes: list[tuple[PNode, ...]] = [()] * n
         self.p_left = [0] * n  # prompt tokens not yet through the last prefill stage
-        self.d_path: list[Path | None] = [None] * n
+        self.d_inst: list[Instance | None] = [None] * n  # decode instance, chosen when prefill ends
+        self.d_path: list[Path | None] = [None] * n  # its nodes, chosen at admission
         self.heap: list[tuple[float, int, int, Any]] = []
         self.seq = 0
         self.routers: dict[tuple[str, str], tuple[list[Instance], Stride | None]] = {}
@@ -448,27 +475,22 @@ class Engine:
             self.backlog.setdefault(key, []).append(r)
             return
         inst.outstanding += 1
-        idx = inst.pick_path()
-        path = inst.paths.get(idx)
-        if path is None:
-            nodes = tuple(st[i] for st, i in zip(inst.stages, idx, strict=True))
-            path = inst.paths[idx] = Path(nodes, inst.layers, inst)
-        self.d_path[r] = path
+        self.d_inst[r] = inst
         inst.waiting.append(r)
         if len(inst.waiting) == 1:
             self.admit(inst, t)
 
     def admit(self, inst: Instance, t: float) -> None:
-        """Admit waiting requests FIFO while the head fits (KV room and a batch slot on all its nodes)."""
+        """Admit waiting requests FIFO while the head fits: each stage has a node with KV room and a free batch
+        slot (the node is chosen now, so a full node does not hold up requests another node could take)."""
         w = inst.waiting
         while w:
             r = w[0]
-            path = self.d_path[r]
-            assert path is not None
             need = self.kv_res[r]
-            for n in path.nodes:
-                if n.slots >= n.cap or n.kv_free < min(need, n.kv_cap):
-                    return
+            path = inst.path_with_room(need)
+            if path is None:
+                return
+            self.d_path[r] = path
             w.popleft()
             self.t_admit[r] = t
             pnic = min(n.nic for n in self.p_nodes[r])

@@ -366,7 +366,7 @@ def collect(
     total_cost = _cost_integral(insts, 0.0, duration_s)
     index = {id(inst): k for k, inst in enumerate(insts)}
     p_idx = np.array([index[id(i)] if i is not None else -1 for i in engine.p_inst], dtype=np.int64)
-    d_idx = np.array([index[id(p.inst)] if p is not None else -1 for p in engine.d_path], dtype=np.int64)
+    d_idx = np.array([index[id(i)] if i is not None else -1 for i in engine.d_inst], dtype=np.int64)
     served = np.bincount(np.concatenate([p_idx[p_idx >= 0], d_idx[d_idx >= 0]]), minlength=len(insts))
     records = [
         InstanceRecord(

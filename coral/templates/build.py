@@ -53,17 +53,25 @@ class JobResult:
     layers: np.ndarray
     tables: np.ndarray
     seconds: float
+    step_fit: np.ndarray | None = None  # (3, S_max, C, L+1): planned micro-batch, step intercept, step slope
 
 
-def profile_tables(perf: RooflineModel, job: BuildJob) -> np.ndarray:
-    """(S_max, C, L+1) node throughput for j layers under budget SLO/S, S = 1..n_max."""
+def profile_tables(perf: RooflineModel, job: BuildJob) -> tuple[np.ndarray, np.ndarray]:
+    """(S_max, C, L+1) node throughput for j layers under budget SLO/S, S = 1..n_max, and (3, S_max, C, L+1)
+    the planned micro-batch with a secant fit of step time around it (intercept s, slope s per batch unit)."""
     n_layers = job.model.num_hidden_layers
+    j = np.arange(n_layers + 1)
     out = np.zeros((job.n_max, len(job.configs), n_layers + 1))
+    step = np.zeros((3, *out.shape))
     for s in range(1, job.n_max + 1):
         for c, node in enumerate(job.configs):
-            thr, _ = perf.throughput_table(job.model, job.phase, node, job.slo_ms / 1e3, s, job.workload)
+            thr, batch = perf.throughput_table(job.model, job.phase, node, job.slo_ms / 1e3, s, job.workload)
             out[s - 1, c] = thr
-    return out
+            full = np.where(thr > 0, batch / np.where(thr > 0, thr, 1.0), 0.0)
+            half = perf.step_time(job.model, job.phase, node, j, np.maximum(batch / 2, 1e-9), job.workload, s > 1)
+            slope = np.where(batch > 0, (full - half) / np.maximum(batch / 2, 1e-9), 0.0)
+            step[:, s - 1, c] = batch, full - slope * batch, slope
+    return out, step
 
 
 def candidate_node_sets(perf: RooflineModel, job: BuildJob) -> tuple[np.ndarray, np.ndarray]:
@@ -95,12 +103,12 @@ def candidate_node_sets(perf: RooflineModel, job: BuildJob) -> tuple[np.ndarray,
 def prepare_job(job: BuildJob, perf: RooflineModel) -> JobResult:
     """Profile tables and candidate node sets of one (model, phase), not yet solved."""
     t0 = time.perf_counter()
-    tables = profile_tables(perf, job)
+    tables, step_fit = profile_tables(perf, job)
     sets, sizes = candidate_node_sets(perf, job)
     m = len(sets)
     return JobResult(
         job, m, sets, sizes, np.zeros(m), np.full(m, -1, dtype=np.int32),
-        np.zeros((m, job.n_max), dtype=np.int32), tables, time.perf_counter() - t0,
+        np.zeros((m, job.n_max), dtype=np.int32), tables, time.perf_counter() - t0, step_fit,
     )
 
 
@@ -134,6 +142,47 @@ def layout_columns(result: JobResult) -> dict[str, np.ndarray]:
         "node_throughput": np.where(valid, thr, 0.0),
         "stage_layers": stage_layers,
     }
+
+
+def pipeline_node_throughput(result: JobResult, cols: dict[str, np.ndarray]) -> np.ndarray:
+    """Per-node tokens/s a multi-stage placement really sustains (single-stage rows are unchanged).
+
+    The per-node tables rate each node at its own best micro-batch, but in a pipeline every micro-batch visits
+    one node per stage, so all nodes share one cycle C (S micro-batches in flight: C = S x the slowest step).
+    Node k gets the share w_k of its stage's traffic (its table throughput over the stage's) and holds micro-
+    batches b_k(C) = min(b_max_k, (C/S - a_k) / c_k) under a linear step-time fit t_k(b) = a_k + c_k b; the
+    template then carries X(C) = min_k S b_k(C) / (C w_k): the minimum of rising (uncapped) and falling (capped)
+    terms, maximal where some node k's micro-batch reaches the level w_k b_max_m / w_m at which node m caps; all
+    such cycles are tried. Never above the table value."""
+    thr = cols["node_throughput"]
+    if result.step_fit is None:
+        return thr
+    m, width = thr.shape
+    valid = result.node_sets >= 0
+    n_stages = cols["node_stage"].max(axis=1).astype(np.int64) + 1
+    node_layers = np.take_along_axis(cols["stage_layers"], cols["node_stage"].astype(np.int64), axis=1)
+    s_idx = np.broadcast_to((n_stages - 1)[:, None], (m, width))
+    cfg = np.where(valid, result.node_sets, 0)
+    b_max, a, slope = (result.step_fit[i][s_idx, cfg, node_layers] for i in range(3))
+    stage_sum = np.zeros((m, width))
+    for s in range(width):
+        in_s = (cols["node_stage"] == s) & valid
+        stage_sum = np.where(in_s, np.where(in_s, thr, 0.0).sum(axis=1, keepdims=True), stage_sum)
+    w = np.where(valid & (stage_sum > 0), thr / np.where(stage_sum > 0, stage_sum, 1.0), np.nan)
+    S = n_stages[:, None].astype(float)
+    best = np.zeros(m)
+    for k, cap in itertools.product(range(width), repeat=2):
+        # candidate cycle: node k's micro-batch reaches the level at which node `cap` is KV/batch capped
+        with np.errstate(divide="ignore", invalid="ignore"):
+            target = w[:, k] * b_max[:, cap] / w[:, cap]
+            cycle = (S[:, 0] * (a[:, k] + slope[:, k] * target))[:, None]
+            ok = valid[:, k] & valid[:, cap] & (cycle[:, 0] > 0)
+            grow = np.where(slope > 0, (cycle / S - a) / slope, b_max)
+            rate = np.where(valid, S * np.clip(grow, 0.0, b_max) / cycle / w, np.inf)
+        x = np.where(ok, np.nanmin(np.where(np.isnan(rate), np.inf, rate), axis=1), 0.0)
+        best = np.maximum(best, np.where(np.isfinite(x), x, 0.0))
+    coupled = np.where(valid, best[:, None] * np.nan_to_num(w), 0.0)
+    return np.where((n_stages > 1)[:, None], np.minimum(coupled, thr), thr)
 
 
 def bottleneck(node_stage: np.ndarray, node_throughput: np.ndarray, stage_layers: np.ndarray) -> np.ndarray:
@@ -236,6 +285,7 @@ def results_to_library(
     stats: dict[str, dict[str, int]] = {}
     for r in results:
         cols = layout_columns(r)
+        cols["node_throughput"] = pipeline_node_throughput(r, cols)
         valid = r.node_sets >= 0
         useful = (r.throughput > 0) & ((cols["node_throughput"] > 0) | ~valid).all(axis=1)
         rows = np.flatnonzero(useful)
