@@ -12,7 +12,7 @@ from datetime import UTC, datetime
 import numpy as np
 
 from coral.allocation.demand import DemandKey
-from coral.allocation.plan import ModelServing, Plan, PlanInstance, PlanStage, SolveReport
+from coral.allocation.plan import ModelServing, Plan, PlanInstance, SolveReport
 from coral.allocation.reductions import undominated
 from coral.allocation.solver import Problem
 from coral.catalog.loader import Catalog, CoralInputError
@@ -363,17 +363,10 @@ def build_plan(
         cost = tpl.cost(prices)
         if not math.isfinite(cost):
             raise CoralInputError(f"template {t} uses a config not offered in {region}")
-        stages, first = [], 0
-        for st in tpl.stages:
-            stages.append(PlanStage(first_layer=first, layers=st.layers, nodes=list(st.nodes),
-                                    node_throughput=list(st.node_throughput)))
-            first += st.layers
+        stages = [(st.layers, st.nodes, st.node_throughput) for st in tpl.stages]
         for i in range(count):
-            instances.append(PlanInstance(
-                id=f"{tpl.model}.{tpl.phase}.t{t}.{region}.{i}", model=tpl.model, phase=str(tpl.phase),  # type: ignore[arg-type]
-                template_id=t, region=region, counts=dict(tpl.counts), stages=stages,
-                throughput=tpl.throughput, cost_per_hour=cost,
-            ))
+            instances.append(PlanInstance.of_stages(tpl.model, str(tpl.phase), t, region, i, stages, tpl.throughput,
+                                                    cost, counts=dict(tpl.counts)))
         key = (tpl.model, Phase(tpl.phase))
         cap[key] = cap.get(key, 0.0) + count * tpl.throughput
         key_cost[key] = key_cost.get(key, 0.0) + count * cost

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal
 
@@ -35,6 +37,34 @@ class PlanInstance(_PlanModel):
     stages: list[PlanStage]
     throughput: float = Field(gt=0, description="tokens/s under the SLO")
     cost_per_hour: float = Field(ge=0)
+
+    @classmethod
+    def of_stages(
+        cls,
+        model: str,
+        phase: str,
+        template_id: int,
+        region: str,
+        index: int,
+        stages: Sequence[tuple[int, Sequence[str], Sequence[float]]],
+        throughput: float,
+        cost_per_hour: float,
+        counts: dict[str, int] | None = None,
+    ) -> PlanInstance:
+        """An instance from (layers, node configs, node tokens/s) per stage; layer offsets, the node counts
+        (unless given) and the id follow from them."""
+        plan_stages, first = [], 0
+        for layers, nodes, node_thr in stages:
+            plan_stages.append(PlanStage(first_layer=first, layers=layers, nodes=list(nodes),
+                                         node_throughput=list(node_thr)))
+            first += layers
+        if counts is None:
+            counts = dict(Counter(n for _, nodes, _ in stages for n in nodes))
+        return cls(
+            id=f"{model}.{phase}.t{template_id}.{region}.{index}", model=model, phase=phase,  # type: ignore[arg-type]
+            template_id=template_id, region=region, counts=counts, stages=plan_stages, throughput=throughput,
+            cost_per_hour=cost_per_hour,
+        )
 
     @property
     def n_nodes(self) -> int:

@@ -3,11 +3,9 @@ and the report tests: three models, a three-stage heterogeneous Qwen3-32B prefil
 
 from __future__ import annotations
 
-from collections import defaultdict
-
 import numpy as np
 
-from coral.allocation.plan import ModelServing, Plan, PlanInstance, PlanStage, SolveReport
+from coral.allocation.plan import ModelServing, Plan, PlanInstance, SolveReport
 from coral.catalog.loader import builtin_catalog
 from coral.report.inputs import EpochPoint, LatencySeries, ReportInputs
 
@@ -30,24 +28,9 @@ def make_instance(
 ) -> PlanInstance:
     """An instance priced at the built-in catalog's node prices; throughput = slowest stage."""
     prices = builtin_catalog().prices(region)
-    counts: dict[str, int] = defaultdict(int)
-    plan_stages, first = [], 0
-    for layers, nodes, tput in stages:
-        for c in nodes:
-            counts[c] += 1
-        plan_stages.append(PlanStage(first_layer=first, layers=layers, nodes=nodes, node_throughput=tput))
-        first += layers
-    return PlanInstance(
-        id=f"{model}.{phase}.t{template_id}.{region}.{k}",
-        model=model,
-        phase=phase,  # type: ignore[arg-type]
-        template_id=template_id,
-        region=region,
-        counts=dict(counts),
-        stages=plan_stages,
-        throughput=min(sum(s[2]) for s in stages),
-        cost_per_hour=sum(prices[c] * n for c, n in counts.items()),
-    )
+    cost = sum(prices[c] for _, nodes, _ in stages for c in nodes)
+    throughput = min(sum(tput) for _, _, tput in stages)
+    return PlanInstance.of_stages(model, phase, template_id, region, k, stages, throughput, cost)
 
 
 def make_plan(method: str, instances: list[PlanInstance], notes: list[str] | None = None) -> Plan:
@@ -143,25 +126,11 @@ def example_inputs(seed: int = 0, n: int = 400) -> ReportInputs:
             slo_tpot_ms=tpot_slo,
         )
     coral, homo = example_plan().cost_per_hour, example_baseline().cost_per_hour
-    epochs = []
-    for e in range(5):
-        wave = 1.0 + 0.08 * np.sin(e)
-        epochs.append(
-            EpochPoint(
-                epoch=e,
-                cost_per_hour=round(coral * wave, 3),
-                goodput=round(31000 * wave, 1),
-                churn=[8, 1, 2, 0, 1][e],
-                method="coral",
-            )
-        )
-        epochs.append(
-            EpochPoint(
-                epoch=e,
-                cost_per_hour=round(homo * wave, 3),
-                goodput=round(26000 * wave, 1),
-                churn=[7, 2, 3, 2, 2][e],
-                method="homo",
-            )
-        )
+    series = (("coral", coral, 31000, [8, 1, 2, 0, 1]), ("homo", homo, 26000, [7, 2, 3, 2, 2]))
+    epochs = [
+        EpochPoint(epoch=e, cost_per_hour=round(cost * (1.0 + 0.08 * np.sin(e)), 3),
+                   goodput=round(goodput * (1.0 + 0.08 * np.sin(e)), 1), churn=churn[e], method=method)
+        for e in range(5)
+        for method, cost, goodput, churn in series
+    ]
     return ReportInputs(epochs=epochs, latency=latency)

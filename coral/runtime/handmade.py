@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Sequence
 
-from coral.allocation.plan import Plan, PlanInstance, PlanStage, SolveReport
+from coral.allocation.plan import Plan, PlanInstance, SolveReport
 
 
 def make_instance(
@@ -19,24 +18,11 @@ def make_instance(
     cost_per_hour: float = 1.0,
 ) -> PlanInstance:
     """An instance from `(layers, node configs)` per stage; node throughput splits the total evenly."""
-    counts = Counter(n for _, nodes in stages for n in nodes)
-    n_nodes = sum(counts.values())
-    out, first = [], 0
-    for layers, nodes in stages:
-        thr = [throughput / n_nodes * len(stages)] * len(nodes)
-        out.append(PlanStage(first_layer=first, layers=layers, nodes=list(nodes), node_throughput=thr))
-        first += layers
-    return PlanInstance(
-        id=f"{model}.{phase}.t{template_id}.{region}.{index}",
-        model=model,
-        phase=phase,  # type: ignore[arg-type]
-        template_id=template_id,
-        region=region,
-        counts=dict(counts),
-        stages=out,
-        throughput=throughput,
-        cost_per_hour=cost_per_hour,
-    )
+    n_nodes = sum(len(nodes) for _, nodes in stages)
+    per_node = throughput / n_nodes * len(stages)
+    return PlanInstance.of_stages(model, phase, template_id, region, index,
+                                  [(layers, nodes, [per_node] * len(nodes)) for layers, nodes in stages],
+                                  throughput, cost_per_hour)
 
 
 def make_plan(instances: Sequence[PlanInstance], scenario: str = "handmade") -> Plan:

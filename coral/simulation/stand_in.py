@@ -8,7 +8,7 @@ import math
 
 import numpy as np
 
-from coral.allocation.plan import ModelServing, Plan, PlanInstance, PlanStage, SolveReport
+from coral.allocation.plan import ModelServing, Plan, PlanInstance, SolveReport
 from coral.catalog.loader import Catalog, CoralInputError, builtin_catalog
 from coral.catalog.schema import Scenario
 from coral.templates.library import Template, TemplateLibrary
@@ -16,16 +16,9 @@ from coral.templates.library import Template, TemplateLibrary
 
 def plan_instance(t: Template, region: str, cost_per_hour: float, index: int) -> PlanInstance:
     """One instance of template `t` in `region`."""
-    stages, first = [], 0
-    for s in t.stages:
-        stages.append(PlanStage(first_layer=first, layers=s.layers, nodes=list(s.nodes),
-                                node_throughput=list(s.node_throughput)))
-        first += s.layers
-    return PlanInstance(
-        id=f"{t.model}.{t.phase}.t{t.id}.{region}.{index}", model=t.model, phase=str(t.phase),  # type: ignore[arg-type]
-        template_id=t.id, region=region, counts=dict(t.counts), stages=stages, throughput=t.throughput,
-        cost_per_hour=cost_per_hour,
-    )
+    return PlanInstance.of_stages(t.model, str(t.phase), t.id, region, index,
+                                  [(s.layers, s.nodes, s.node_throughput) for s in t.stages], t.throughput,
+                                  cost_per_hour, counts=dict(t.counts))
 
 
 def plan_of(scenario: str, instances: list[PlanInstance], method: str = "hand") -> Plan:

@@ -117,11 +117,6 @@ def _solve_chunk(args: ChunkTask) -> ChunkResult:
     return solve_node_sets(np.where(sets >= 0, sets, 0), sizes, tables)
 
 
-def solve_job(job: BuildJob, perf: RooflineModel | None = None) -> JobResult:
-    """Enumerate and solve one (model, phase) in this process."""
-    return run_jobs([job], perf or RooflineModel())[0]
-
-
 def layout_columns(result: JobResult) -> dict[str, np.ndarray]:
     """Per-node stage, per-node throughput and per-stage layers of every solved node set."""
     m, width = result.node_sets.shape
@@ -190,21 +185,6 @@ def bottleneck(node_stage: np.ndarray, node_throughput: np.ndarray, stage_layers
     width = stage_layers.shape[1]
     stage_thr = np.stack([np.where(node_stage == s, node_throughput, 0.0).sum(axis=1) for s in range(width)], 1)
     return np.where(stage_layers > 0, stage_thr, np.inf).min(axis=1)
-
-
-def stages_of(result: JobResult, row: int) -> tuple[Stage, ...]:
-    """Stages of one solved node set (for inspection and tests)."""
-    cols = layout_columns(result)
-    n_stages = int(cols["node_stage"][row].max()) + 1
-    stages = []
-    for s in range(n_stages):
-        members = [k for k in range(int(result.sizes[row])) if cols["node_stage"][row, k] == s]
-        stages.append(Stage(
-            layers=int(cols["stage_layers"][row, s]),
-            nodes=tuple(result.job.configs[int(result.node_sets[row, k])].name for k in members),
-            node_throughput=tuple(float(cols["node_throughput"][row, k]) for k in members),
-        ))
-    return tuple(stages)
 
 
 def scenario_jobs(scenario: Scenario, catalog: Catalog, models: Sequence[str] | None = None) -> list[BuildJob]:
