@@ -17,10 +17,17 @@ from coral.cli.main import app
 from coral.deploy.endpoints import EndpointsFile
 from coral.deploy.render import dns_name, render
 from coral.deploy.schemas import validate_manifest
-from coral.deploy.vllm import KV_TRANSFER_CONFIG, launch_commands, realisable, vllm_compatible_filter
+from coral.deploy.vllm import (
+    KV_TRANSFER_CONFIG,
+    engine_library,
+    launch_commands,
+    realisable,
+    side_channel_env,
+    vllm_compatible_filter,
+)
 from coral.perf.model import Phase
 from coral.runtime.handmade import make_instance, make_plan
-from coral.templates.library import Stage, Template
+from coral.templates.library import Stage, Template, TemplateLibrary
 
 CAT = builtin_catalog()
 PHI = CAT.model("phi-4")
@@ -48,17 +55,18 @@ def sample_plan():
 
 
 @pytest.mark.parametrize(
-    ("stages", "ok", "why"),
+    ("phase", "stages", "ok", "why"),
     [
-        ([(40, ["1xL40S"])], True, ""),
-        ([(20, ["2xL4"]), (20, ["2xA10G"])], True, ""),  # mixed GPU types, equal TP
-        ([(40, ["1xL40S", "1xL4"])], True, ""),  # one stage, two nodes: two independent replicas
-        ([(20, ["1xL40S", "1xL40S"]), (20, ["1xL40S"])], False, "data-parallel"),
-        ([(20, ["1xL40S"]), (20, ["2xL40S"])], False, "tensor-parallel"),
+        ("decode", [(40, ["1xL40S"])], True, ""),
+        ("prefill", [(20, ["2xL4"]), (20, ["2xA10G"])], True, ""),  # mixed GPU types, equal TP
+        ("decode", [(20, ["2xL4"]), (20, ["2xA10G"])], False, "NixlConnector"),  # no PP on the decode side
+        ("decode", [(40, ["1xL40S", "1xL4"])], True, ""),  # one stage, two nodes: two independent replicas
+        ("prefill", [(20, ["1xL40S", "1xL40S"]), (20, ["1xL40S"])], False, "data-parallel"),
+        ("prefill", [(20, ["1xL40S"]), (20, ["2xL40S"])], False, "tensor-parallel"),
     ],
 )
-def test_realisable_golden(stages, ok, why):
-    inst = make_instance("phi-4", "decode", stages, 100.0)
+def test_realisable_golden(phase, stages, ok, why):
+    inst = make_instance("phi-4", phase, stages, 100.0)
     r = realisable(inst, PHI)
     assert bool(r) is ok
     assert why in r.reason
@@ -91,13 +99,18 @@ def test_filter_accepts_library_templates():
         2.0,
     )
     assert vllm_compatible_filter(good.stages)
+    assert not vllm_compatible_filter(good.stages, phase="decode")
     assert not vllm_compatible_filter(dp.stages)
 
 
 def test_launch_commands_golden_heterogeneous_pipeline():
-    r0, r1 = launch_commands(hetero_pipeline(), QWEN)
+    with pytest.raises(ValueError, match="push connector"):
+        launch_commands(hetero_pipeline(), QWEN)
+    r0, r1 = launch_commands(hetero_pipeline(), QWEN, push=True)
     assert (r0.config, r1.config) == ("4xL4", "4xL40S")
-    assert r0.env == r1.env == {"VLLM_PP_LAYER_PARTITION": "30,34"}
+    side = {"VLLM_NIXL_SIDE_CHANNEL_HOST": "$CORAL_NODE_ADDR", "VLLM_NIXL_SIDE_CHANNEL_PORT": "5600"}
+    assert side_channel_env() == side
+    assert r0.env == r1.env == {"VLLM_PP_LAYER_PARTITION": "30,34", **side}
     assert r0.argv[:3] == ["vllm", "serve", "Qwen/Qwen3-32B"]
     for nl, rank in ((r0, "0"), (r1, "1")):
         a = nl.argv
@@ -105,22 +118,28 @@ def test_launch_commands_golden_heterogeneous_pipeline():
         assert a[a.index("--pipeline-parallel-size") + 1] == "2"
         assert a[a.index("--nnodes") + 1] == "2"
         assert a[a.index("--node-rank") + 1] == rank
-        assert json.loads(a[a.index("--kv-transfer-config") + 1]) == KV_TRANSFER_CONFIG
+        assert json.loads(a[a.index("--kv-transfer-config") + 1]) == {
+            "kv_connector": "NixlPushConnector",
+            "kv_role": "kv_producer",
+        }
     assert "--port" in r0.argv and "--headless" not in r0.argv
     assert "--headless" in r1.argv and "--port" not in r1.argv
     assert '--master-addr "$CORAL_HEAD_ADDR"' in r1.shell()
+    assert 'VLLM_NIXL_SIDE_CHANNEL_HOST="$CORAL_NODE_ADDR"' in r1.shell()
     assert shlex.split(r0.shell())[0] == "VLLM_PP_LAYER_PARTITION=30,34"
 
 
-def test_launch_commands_single_node_and_ray():
+def test_launch_commands_single_node():
     (one,) = launch_commands(
         make_instance("phi-4", "decode", [(40, ["2xL40S"])], 1.0), PHI, disaggregated=False
     )
     assert one.env == {} and "--kv-transfer-config" not in one.argv and "--nnodes" not in one.argv
-    (ray,) = launch_commands(hetero_pipeline(), QWEN, executor="ray")
-    assert ray.argv[-2:] == ["--distributed-executor-backend", "ray"]
+    (pd,) = launch_commands(make_instance("phi-4", "decode", [(40, ["2xL40S"])], 1.0), PHI)
+    assert json.loads(pd.argv[pd.argv.index("--kv-transfer-config") + 1]) == KV_TRANSFER_CONFIG
+    (push,) = launch_commands(make_instance("phi-4", "decode", [(40, ["2xL40S"])], 1.0), PHI, push=True)
+    assert "kv_consumer" in push.argv[push.argv.index("--kv-transfer-config") + 1]
     with pytest.raises(ValueError, match="data parallelism"):
-        launch_commands(make_instance("phi-4", "decode", [(20, ["1xL4", "1xL4"]), (20, ["1xL4"])], 1.0), PHI)
+        launch_commands(make_instance("phi-4", "prefill", [(20, ["1xL4", "1xL4"]), (20, ["1xL4"])], 1.0), PHI)
     a, b = launch_commands(make_instance("phi-4", "decode", [(40, ["1xL4", "2xL4"])], 1.0), PHI)
     assert (a.replica, a.gpus, b.replica, b.gpus) == (0, 1, 1, 2) and "--port" in b.argv
 
@@ -133,9 +152,9 @@ def test_launch_commands_single_node_and_ray():
 )
 def test_launch_commands_property(layers, gpus, types):
     stages = [(n, [f"{gpus}x{types[k]}"]) for k, n in enumerate(layers)]
-    inst = make_instance("phi-4", "decode", stages, 1.0)
+    inst = make_instance("phi-4", "prefill", stages, 1.0)
     arch = PHI.model_copy(update={"num_hidden_layers": sum(layers)})
-    cmds = launch_commands(inst, arch)
+    cmds = launch_commands(inst, arch, push=True)
     assert len(cmds) == len(layers)
     assert [c.config for c in cmds] == [s[1][0] for s in stages]
     if len(layers) > 1:
@@ -148,7 +167,8 @@ def test_launch_commands_property(layers, gpus, types):
 def test_kubernetes_manifests_validate(tmp_path):
     res = render(sample_plan(), "kubernetes", tmp_path)
     assert set(res.skipped) == {"qwen3-32b.decode.t7.aws-us-east-2.0"}
-    assert "data-parallel" in next(iter(res.skipped.values()))
+    assert "NixlConnector" in next(iter(res.skipped.values()))
+    assert res.uncovered == []
     kinds: dict[str, list[dict]] = {}
     for path in res.files:
         for doc in yaml.safe_load_all(path.read_text()):
@@ -159,20 +179,34 @@ def test_kubernetes_manifests_validate(tmp_path):
     assert deps["qwen3-32b-decode-t4-aws-us-east-2"]["spec"]["replicas"] == 2  # data-parallel stage
     c = deps["phi-4-prefill-t1-aws-us-east-2"]["spec"]["template"]["spec"]["containers"][0]
     assert c["resources"]["limits"]["nvidia.com/gpu"] == "1"
-    assert c["command"] + c["args"] == launch_commands(sample_plan().instances[0], PHI)[0].argv
-    (rc,) = kinds["RayCluster"]
-    head = rc["spec"]["headGroupSpec"]["template"]["spec"]
-    assert head["nodeSelector"]["node.kubernetes.io/instance-type"] == "g6.12xlarge"  # 4xL4 in us-east-2
-    (wg,) = rc["spec"]["workerGroupSpecs"]
-    assert (
-        wg["replicas"],
-        wg["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"],
-    ) == (1, "4")
-    (job,) = kinds["Job"]
-    assert "VLLM_PP_LAYER_PARTITION=30,34" in job["spec"]["template"]["spec"]["containers"][0]["command"][-1]
+    argv = launch_commands(sample_plan().instances[0], PHI, push=False)[0].argv
+    assert c["command"] + c["args"] == argv
+    env = {e["name"]: e for e in c["env"]}
+    assert env["CORAL_NODE_ADDR"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    assert env["VLLM_NIXL_SIDE_CHANNEL_HOST"]["value"] == "$(CORAL_NODE_ADDR)"  # expanded by the kubelet
+    assert {p["containerPort"] for p in c["ports"]} == {8000, 5600}
+    # the heterogeneous prefill pipeline: one pinned Deployment per rank, explicit --node-rank, headless rank-0 Service
+    r0, r1 = (deps[f"qwen3-32b-prefill-t3-aws-us-east-2-0-r{r}"] for r in (0, 1))
+    for rank, dep, itype, gpus in ((0, r0, "g6.12xlarge", "4"), (1, r1, "g6e.12xlarge", "4")):
+        pod = dep["spec"]["template"]["spec"]
+        assert pod["nodeSelector"]["node.kubernetes.io/instance-type"] == itype
+        ctr = pod["containers"][0]
+        assert ctr["resources"]["limits"]["nvidia.com/gpu"] == gpus
+        assert ctr["args"][ctr["args"].index("--node-rank") + 1] == str(rank)
+        assert ctr["args"][ctr["args"].index("--master-addr") + 1] == "$(CORAL_HEAD_ADDR)"
+        assert "NixlPushConnector" in ctr["args"][ctr["args"].index("--kv-transfer-config") + 1]
+        envs = {e["name"]: e.get("value") for e in ctr["env"]}
+        assert envs["CORAL_HEAD_ADDR"] == "qwen3-32b-prefill-t3-aws-us-east-2-0"
+        assert envs["VLLM_PP_LAYER_PARTITION"] == "30,34"
+        assert dep["spec"]["selector"]["matchLabels"]["coral.io/rank"] == str(rank)
+    assert "readinessProbe" in r0["spec"]["template"]["spec"]["containers"][0]
+    assert "readinessProbe" not in r1["spec"]["template"]["spec"]["containers"][0]
+    svcs = {d["metadata"]["name"]: d for d in kinds["Service"]}
+    head = svcs["qwen3-32b-prefill-t3-aws-us-east-2-0"]["spec"]
+    assert head["clusterIP"] == "None" and head["selector"]["coral.io/rank"] == "0"
     assert len(kinds["Service"]) == 4
     eps = {e.id: e for e in EndpointsFile.load(tmp_path / "endpoints.json").endpoints}
-    assert set(eps) == {d["metadata"]["name"] for d in kinds["Service"]}
+    assert set(eps) == set(svcs)
     decode = eps["phi-4-decode-t2-aws-us-east-2"]
     assert (decode.url, decode.weight, decode.phase) == (
         "http://phi-4-decode-t2-aws-us-east-2:8000",
@@ -193,9 +227,8 @@ def test_manifest_validation_names_the_field():
     }
     with pytest.raises(CoralInputError, match=r"spec\.replicas"):
         validate_manifest(bad)
-    rc = {"apiVersion": "ray.io/v1", "kind": "RayCluster", "metadata": {"name": "Bad_Name"}, "spec": {}}
     with pytest.raises(CoralInputError, match=r"metadata\.name"):
-        validate_manifest(rc)
+        validate_manifest({**bad, "metadata": {"name": "Bad_Name"}})
     with pytest.raises(CoralInputError, match="kind"):
         validate_manifest({"kind": "Pod"})
 
@@ -203,7 +236,8 @@ def test_manifest_validation_names_the_field():
 def test_skypilot_services(tmp_path):
     res = render(sample_plan(), "skypilot", tmp_path)
     assert "multi-node" in res.skipped["qwen3-32b.prefill.t3.aws-us-east-2.0"]
-    assert "data-parallel" in res.skipped["qwen3-32b.decode.t7.aws-us-east-2.0"]
+    assert "NixlConnector" in res.skipped["qwen3-32b.decode.t7.aws-us-east-2.0"]
+    assert res.uncovered == [("qwen3-32b", "prefill")]
     docs = {p.name: yaml.safe_load(p.read_text()) for p in res.files}
     svc = docs["phi-4-decode-t2-aws-us-east-2.sky.yaml"]
     assert svc["resources"] == {
@@ -211,10 +245,14 @@ def test_skypilot_services(tmp_path):
         "region": "us-east-2",
         "accelerators": "L40S:1",
         "instance_type": "g6e.xlarge",
-        "ports": 8000,
+        "image_id": "docker:vllm/vllm-openai:v0.33.0",
+        "ports": [8000, 5600],
     }
+    assert svc["secrets"] == {"HF_TOKEN": None} and "HF_TOKEN" not in svc["envs"]
     assert svc["service"]["replicas"] == 2 and svc["service"]["readiness_probe"]["path"] == "/health"
-    assert svc["run"].startswith("vllm serve microsoft/phi-4 ")
+    first, second = svc["run"].splitlines()
+    assert first.startswith("export CORAL_NODE_ADDR=$(hostname -I")
+    assert shlex.split(second)[2:4] == ["vllm", "serve"]
 
 
 def test_skypilot_schema_when_installed(tmp_path):
@@ -227,13 +265,19 @@ def test_skypilot_schema_when_installed(tmp_path):
         SkyServiceSpec.from_yaml_config(cfg["service"])
 
 
-def test_commands_target_and_dns_names(tmp_path):
+def test_commands_target_writes_one_script_per_node(tmp_path):
     res = render(sample_plan(), "commands", tmp_path)
-    text = (tmp_path / "qwen3-32b-prefill-t3-aws-us-east-2-0.sh").read_text()
-    assert text.count("vllm serve") == 2 and "--node-rank 1" in text
-    assert len(res.files) == 5
-    dp = (tmp_path / "qwen3-32b-decode-t4-aws-us-east-2-0.sh").read_text()
-    assert dp.count("vllm serve") == 2 and "replica 1" in dp
+    names = {p.name for p in res.files}
+    assert {"qwen3-32b-prefill-t3-aws-us-east-2-0.rank0.sh", "qwen3-32b-prefill-t3-aws-us-east-2-0.rank1.sh"} <= names
+    assert {"qwen3-32b-decode-t4-aws-us-east-2-0.replica0.sh", "qwen3-32b-decode-t4-aws-us-east-2-0.replica1.sh"} <= names
+    assert len(res.files) == 1 + 2 + 2 + 2  # phi prefill, phi decode x2, qwen prefill ranks, qwen decode replicas
+    rank1 = (tmp_path / "qwen3-32b-prefill-t3-aws-us-east-2-0.rank1.sh").read_text()
+    assert rank1.count("vllm serve") == 1 and "--node-rank 1" in rank1
+    assert ': "${CORAL_HEAD_ADDR:?' in rank1 and "exec vllm serve" in rank1
+    import subprocess
+
+    for p in res.files:
+        subprocess.run(["bash", "-n", str(p)], check=True)  # valid shell
     name = dns_name("A" * 80, "b.c")
     assert len(name) <= 50 and name == name.lower() and "." not in name
 
@@ -245,11 +289,69 @@ def test_deploy_cli(tmp_path):
         app, ["deploy", "--plan", str(plan_path), "--target", "kubernetes", "--out", str(out)]
     )
     assert r.exit_code == 0, r.output
-    assert (out / "index.json").exists() and "skipped" in r.output
+    assert (out / "index.json").exists() and "cannot launch" in r.output and "capacity is reduced" in r.output
+    r = CliRunner().invoke(
+        app, ["deploy", "--plan", str(plan_path), "--target", "kubernetes", "--out", str(tmp_path / "s"), "--strict"]
+    )
+    assert r.exit_code != 0 and not (tmp_path / "s").exists()
     r = CliRunner().invoke(
         app, ["deploy", "--plan", str(tmp_path / "nope.json"), "--target", "kubernetes", "--out", str(out)]
     )
     assert r.exit_code == 2
+
+
+def test_deploy_fails_and_writes_nothing_when_a_phase_is_left_uncovered(tmp_path):
+    plan = make_plan(
+        [
+            make_instance("phi-4", "prefill", [(40, ["1xL40S"])], 5000.0, template_id=1),
+            make_instance("phi-4", "decode", [(20, ["1xL4"]), (20, ["1xL4"])], 800.0, template_id=2),
+        ],
+        scenario="core",
+    )
+    plan_path = plan.save(tmp_path / "plan.json")
+    out = tmp_path / "out"
+    r = CliRunner().invoke(app, ["deploy", "--plan", str(plan_path), "--target", "commands", "--out", str(out)])
+    assert r.exit_code != 0
+    assert "phi-4/decode" in r.output and "--engine vllm" in r.output
+    assert not out.exists()
+
+
+def _library(layouts):
+    configs = sorted({c for _, _, st_ in layouts for _, nodes in st_ for c in nodes})
+    temps = []
+    for i, (model, phase, st_) in enumerate(layouts):
+        counts: dict[str, int] = {}
+        for _, nodes in st_:
+            for c in nodes:
+                counts[c] = counts.get(c, 0) + 1
+        stages = tuple(Stage(n, tuple(nodes), tuple(1.0 for _ in nodes)) for n, nodes in st_)
+        temps.append(Template(i, model, Phase(phase), 100, counts, stages, 1.0 + i))
+    return TemplateLibrary.from_templates(configs, temps, {})
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["phi-4", "qwen3-32b"]),
+            st.sampled_from(["prefill", "decode"]),
+            st.lists(
+                st.tuples(st.integers(1, 10), st.lists(st.sampled_from(["1xL4", "2xL4", "4xL40S", "8xA10G"]),
+                                                       min_size=1, max_size=2)),
+                min_size=1, max_size=3,
+            ),
+        ),
+        min_size=1, max_size=12,
+    )
+)
+def test_vllm_engine_library_keeps_exactly_the_realisable_templates(layouts):
+    lib = _library(layouts)
+    sub = engine_library(lib, "vllm", CAT)
+    want = [i for i in range(len(lib)) if realisable(lib.template(i), CAT.model(str(lib.model[i])))]
+    assert sorted(sub.throughput.tolist()) == sorted(lib.throughput[want].tolist())
+    assert engine_library(lib, "coral", CAT) is lib
+    with pytest.raises(CoralInputError, match="--engine"):
+        engine_library(lib, "sglang", CAT)
 
 
 def test_mixed_data_parallel_stage_gives_one_replica_set_per_config(tmp_path):

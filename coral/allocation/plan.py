@@ -102,6 +102,10 @@ class Plan(_PlanModel):
     scenario: str
     method: str = Field(description="coral | homo | cauchy | ...")
     mode: Literal["cost", "goodput", "scaled"] = "cost"
+    engine: Literal["coral", "vllm"] = Field(
+        default="coral", description="engine the plan was restricted to: coral runs every template, vllm only "
+        "what stock vLLM launches"
+    )
     demand_scale: float = Field(default=1.0, gt=0, description="uniform demand scale the plan was solved at")
     instances: list[PlanInstance]
     serving: list[ModelServing]

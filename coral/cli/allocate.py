@@ -7,8 +7,8 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
-from coral.catalog.loader import CoralInputError, load_scenario
-from coral.cli.common import DEFAULT_OUT, console, friendly_errors
+from coral.catalog.loader import CoralInputError, builtin_catalog, load_scenario
+from coral.cli.common import DEFAULT_OUT, ENGINE_HELP, console, friendly_errors
 
 
 def register(app: typer.Typer) -> None:
@@ -48,18 +48,20 @@ def allocate_cmd(
     time_limit: float = typer.Option(30.0, help="solver time limit, s"),
     gap: float = typer.Option(1e-4, help="relative MIP gap"),
     out: Path = typer.Option(DEFAULT_OUT, help="folder with the library; the plan is written here"),
+    engine: str = typer.Option("coral", help=ENGINE_HELP),
 ) -> None:
     """Plan instances per (template, region) for the scenario's demand."""
     from coral.allocation import baselines
     from coral.allocation.allocator import allocate
     from coral.allocation.availability import resolve_availability
     from coral.allocation.plan import Plan
+    from coral.deploy.vllm import engine_library
     from coral.experiments.allocation import load_library
 
     if mode not in ("cost", "goodput", "scaled"):
         raise CoralInputError(f"--mode: must be cost, goodput or scaled, not {mode!r}")
     sc = load_scenario(scenario)
-    lib = load_library(scenario, out)
+    lib = engine_library(load_library(scenario, out), engine, builtin_catalog())
     avail = resolve_availability(sc, lib, factor=availability_factor)
     if method == "coral":
         prev = Plan.load(running) if running else None
@@ -71,6 +73,7 @@ def allocate_cmd(
         plan = baselines.cauchy(lib, sc, availability=avail, time_limit=time_limit, gap=gap)
     else:
         raise CoralInputError(f"--method: must be coral, homo or cauchy, not {method!r}")
+    plan.engine = engine  # type: ignore[assignment]  # checked by engine_library
     console.print(plan_table(plan))
     s = plan.solve
     console.print(f"status {s.status}, objective {s.objective}, bound {s.bound}, gap {s.gap}, "

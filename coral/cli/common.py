@@ -34,5 +34,8 @@ def friendly_errors(fn: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
+ENGINE_HELP = "engine the plan must run on: coral (every template) | vllm (only what stock vLLM launches)"
+
+
 def library_path(scenario: str, out: Path = DEFAULT_OUT) -> Path:
     return out / f"{Path(scenario).stem}.templates.sqlite"

@@ -1,16 +1,17 @@
-"""`coral deploy`: write SkyPilot, Kubernetes (KubeRay) or per-node vLLM launch files for a plan."""
+"""`coral deploy`: write SkyPilot, Kubernetes or per-node vLLM launch files for a plan."""
 
 from __future__ import annotations
 
+from collections import defaultdict
 from pathlib import Path
 
 import typer
 from rich.table import Table
 
 from coral.allocation.plan import Plan
-from coral.catalog.loader import CoralInputError
+from coral.catalog.loader import CoralInputError, builtin_catalog
 from coral.cli.common import console, friendly_errors
-from coral.deploy.render import TARGETS, VLLM_IMAGE, render
+from coral.deploy.render import TARGETS, VLLM_IMAGE, render, skipped_instances, uncovered_keys
 
 
 def register(app: typer.Typer) -> None:
@@ -22,18 +23,37 @@ def register(app: typer.Typer) -> None:
         plan: Path = typer.Option(..., "--plan", help="plan JSON written by `coral allocate`"),
         target: str = typer.Option(..., "--target", help="skypilot | kubernetes | commands"),
         out: Path = typer.Option(..., "--out", help="directory for the manifests"),
-        image: str = typer.Option(VLLM_IMAGE, help="container image (kubernetes)"),
-        strict: bool = typer.Option(False, help="fail when an instance cannot be rendered"),
+        image: str = typer.Option(VLLM_IMAGE, help="vLLM container image (kubernetes, skypilot)"),
+        strict: bool = typer.Option(False, help="also fail when only some instances of a model cannot be rendered"),
     ) -> None:
-        """Render deployment manifests for every instance of a plan."""
+        """Render stock-vLLM deployment manifests for every instance of a plan.
+
+        Fails, writing nothing, when a (model, phase) of the plan would be left with no launchable instance."""
         if target not in TARGETS:
             raise CoralInputError(f"--target: must be one of {', '.join(TARGETS)}, not {target!r}")
-        res = render(Plan.load(plan), target, out, image=image)
-        console.print(f"[green]wrote[/] {len(res.files)} file(s) to {out} (index.json lists them)")
-        if res.skipped:
-            t = Table("instance", "reason", title=f"{len(res.skipped)} instance(s) skipped")
-            for iid, why in res.skipped.items():
+        p = Plan.load(plan)
+        skipped = skipped_instances(p, target, builtin_catalog())
+        if skipped:
+            t = Table("instance", "reason", title=f"{len(skipped)} instance(s) stock vLLM cannot launch on {target}")
+            for iid, why in skipped.items():
                 t.add_row(iid, why)
             console.print(t)
+        uncovered = uncovered_keys(p, skipped)
+        if uncovered:
+            names = ", ".join(f"{m}/{ph}" for m, ph in uncovered)
+            raise CoralInputError(
+                f"--plan: {names} would get no launchable instance, so nothing was written. Re-plan for the engine "
+                f"you deploy: `coral allocate {p.scenario} --engine vllm` plans only what stock vLLM launches "
+                "(or serve this plan with the Coral engine)."
+            )
+        if skipped:
+            lost: dict[str, float] = defaultdict(float)
+            for inst in p.instances:
+                if inst.id in skipped:
+                    lost[f"{inst.model}/{inst.phase}"] += inst.throughput
+            detail = ", ".join(f"{k} loses {v:,.0f} tok/s" for k, v in lost.items())
             if strict:
-                raise CoralInputError(f"{len(res.skipped)} instance(s) cannot be rendered for {target}")
+                raise CoralInputError(f"--strict: {len(skipped)} instance(s) cannot be rendered ({detail})")
+            console.print(f"[yellow]warning[/]: planned capacity is reduced: {detail}")
+        res = render(p, target, out, image=image)
+        console.print(f"[green]wrote[/] {len(res.files)} file(s) to {out} (index.json lists them)")

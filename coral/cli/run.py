@@ -8,8 +8,8 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
-from coral.catalog.loader import load_scenario
-from coral.cli.common import DEFAULT_OUT, console, friendly_errors
+from coral.catalog.loader import builtin_catalog, load_scenario
+from coral.cli.common import DEFAULT_OUT, ENGINE_HELP, console, friendly_errors
 
 
 def register(app: typer.Typer) -> None:
@@ -22,12 +22,14 @@ def run_cmd(
     out: Path = typer.Option(DEFAULT_OUT, help="output folder"),
     duration: float | None = typer.Option(None, help="simulated seconds (default: epochs x epoch length)"),
     seed: int = typer.Option(0, help="workload seed"),
+    engine: str = typer.Option("coral", help=ENGINE_HELP),
 ) -> None:
     """Build (or load) the template library, plan with Coral and the baselines, simulate the Coral plan with
     re-planning every epoch, and write plans, simulation results and an HTML report."""
     from coral.allocation import baselines
     from coral.allocation.allocator import allocate
     from coral.allocation.availability import resolve_availability
+    from coral.deploy.vllm import engine_library
     from coral.experiments.allocation import load_library
     from coral.report import build_report
     from coral.report.terminal import print_comparison, print_plan
@@ -37,11 +39,12 @@ def run_cmd(
     sc = load_scenario(scenario)
     folder = out / f"run-{sc.name}"
     folder.mkdir(parents=True, exist_ok=True)
-    lib = load_library(scenario, out)
+    lib = engine_library(load_library(scenario, out), engine, builtin_catalog())
     console.print(f"library: {len(lib):,} templates for {len(lib.keys())} (model, phase) pairs")
 
     avail = resolve_availability(sc, lib)
     plan = allocate(lib, sc, availability=avail)
+    plan.engine = engine  # type: ignore[assignment]  # checked by engine_library
     others = [baselines.homo(lib, sc, availability=avail), baselines.cauchy(lib, sc, availability=avail)]
     print_plan(plan, console)
     print_comparison(plan, others, console)

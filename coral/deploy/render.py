@@ -1,12 +1,15 @@
-"""Deployment manifests for a plan: SkyPilot services, Kubernetes (Deployments and KubeRay RayClusters), and
+"""Deployment manifests for a plan: SkyPilot services, Kubernetes (Deployments and Services), and
 plain per-node shell commands.
 
 Instances are grouped by (model, phase, template, region): a single-node group becomes one SkyPilot service
-or one Kubernetes Deployment with `replicas` = group size. A multi-node pipeline becomes one KubeRay
-`RayCluster` per instance (stage 0 on the head, one worker group per node config of the other stages) plus a
-Job that submits the `vllm serve` launch to it and a Service for its API; SkyPilot services cannot hold
-heterogeneous multi-node replicas, so those instances are listed as skipped for that target. The `commands`
-target writes the exact `--node-rank` launch of every node, which places stages exactly.
+or one Kubernetes Deployment with `replicas` = group size. A multi-node pipeline becomes, per instance, one
+single-pod Deployment per pipeline rank (pinned by node selector to its stage's instance type and started with
+an explicit `--node-rank`, so a node always loads the layers the plan gave its stage) and a headless Service on
+rank 0 (API and rendezvous address). SkyPilot services cannot hold heterogeneous multi-node replicas, so those
+instances are listed as skipped for that target. The `commands` target writes one script per node.
+
+Rendering never drops a (model, phase) silently: `RenderResult.uncovered` lists those left with no launchable
+instance, and the CLI fails on them.
 """
 
 from __future__ import annotations
@@ -25,12 +28,20 @@ from coral.allocation.plan import Plan, PlanInstance
 from coral.catalog.loader import Catalog, CoralInputError, builtin_catalog
 from coral.catalog.schema import NodeOffering, parse_config_name
 from coral.deploy.endpoints import EndpointsFile, EndpointSpec
-from coral.deploy.vllm import VLLM_PORT, NodeLaunch, launch_commands, realisable
+from coral.deploy.vllm import (
+    HEAD_ADDR_VAR,
+    NIXL_SIDE_CHANNEL_PORT,
+    NODE_ADDR_VAR,
+    VLLM_PORT,
+    NodeLaunch,
+    launch_commands,
+    push_models,
+    realisable,
+)
 
 Target = Literal["skypilot", "kubernetes", "commands"]
 TARGETS: tuple[Target, ...] = ("skypilot", "kubernetes", "commands")
 VLLM_IMAGE = "vllm/vllm-openai:v0.33.0"
-RAY_VERSION = "2.60.0"
 READINESS_DELAY_S = 1200
 
 
@@ -48,6 +59,7 @@ class RenderResult:
     endpoints: list[EndpointSpec] = field(
         default_factory=list
     )  # kubernetes: one per Service (endpoints.json)
+    uncovered: list[tuple[str, str]] = field(default_factory=list)  # (model, phase) with no launchable instance
 
 
 def dns_name(*parts: str, limit: int = 50) -> str:
@@ -85,13 +97,15 @@ def group_name(inst: PlanInstance) -> str:
     return dns_name(inst.model, inst.phase, f"t{inst.template_id}", inst.region)
 
 
-def replica_groups(insts: list[PlanInstance], catalog: Catalog) -> dict[str, tuple[NodeLaunch, int, float]]:
+def replica_groups(
+    insts: list[PlanInstance], catalog: Catalog, push: bool
+) -> dict[str, tuple[NodeLaunch, int, float]]:
     """Single-stage instances of one group as replica sets: name -> (launch, replicas, planned tokens/s), one
     set per node config (a data-parallel stage runs each of its nodes as an independent replica)."""
     launches: dict[str, list[NodeLaunch]] = defaultdict(list)
     weight: dict[str, float] = defaultdict(float)
     for inst in insts:
-        for nl in launch_commands(inst, catalog.model(inst.model)):
+        for nl in launch_commands(inst, catalog.model(inst.model), push=push):
             launches[nl.config].append(nl)
             weight[nl.config] += inst.stages[0].node_throughput[nl.replica]
     base = group_name(insts[0])
@@ -103,11 +117,13 @@ def replica_groups(insts: list[PlanInstance], catalog: Catalog) -> dict[str, tup
 
 # --- SkyPilot ---------------------------------------------------------------------------------------------
 def skypilot_service(
-    inst: PlanInstance, launch: NodeLaunch, name: str, replicas: int, catalog: Catalog
+    inst: PlanInstance, launch: NodeLaunch, name: str, replicas: int, catalog: Catalog, image: str = VLLM_IMAGE
 ) -> dict[str, Any]:
-    """SkyPilot task + service YAML (as a dict) for `replicas` single-node replicas running `launch`."""
+    """SkyPilot task + service YAML (as a dict) for `replicas` single-node replicas running `launch` in the
+    vLLM image; the Hugging Face token is a secret (`sky serve up --secret HF_TOKEN`), never written here."""
     o = offering(catalog, launch.config, inst.region)
     gpu, n = parse_config_name(launch.config)
+    node_addr = f"export {NODE_ADDR_VAR}=$(hostname -I | awk '{{print $1}}')\n" if launch.env else ""
     return {
         "name": name,
         "resources": {
@@ -115,10 +131,12 @@ def skypilot_service(
             "region": cloud_region(o),
             "accelerators": f"{gpu}:{n}",
             "instance_type": o.instance_type,
-            "ports": VLLM_PORT,
+            "image_id": f"docker:{image}",
+            "ports": [VLLM_PORT, NIXL_SIDE_CHANNEL_PORT] if launch.env else VLLM_PORT,
         },
-        "envs": {"HF_TOKEN": None, **launch.env},
-        "run": launch.shell(),
+        "secrets": {"HF_TOKEN": None},
+        "envs": dict(launch.env),
+        "run": node_addr + launch.shell(),
         "service": {
             "readiness_probe": {"path": "/health", "initial_delay_seconds": READINESS_DELAY_S},
             "replicas": replicas,
@@ -127,25 +145,37 @@ def skypilot_service(
 
 
 # --- Kubernetes -------------------------------------------------------------------------------------------
-def _container(name: str, launch: NodeLaunch | None, gpus: int, image: str) -> dict[str, Any]:
-    """A GPU container; with `launch` it runs that vLLM command and probes `/health`."""
+def _k8s_expand(value: str) -> str:
+    """Shell-style `$VAR` to Kubernetes' `$(VAR)`, which the kubelet expands in args and env values."""
+    return re.sub(r"\$(\w+)", r"$(\1)", value)
+
+
+def _container(launch: NodeLaunch, image: str, head_addr: str | None = None) -> dict[str, Any]:
+    """The vLLM container of one node: its GPUs, its command, the node's own address (NIXL side channel),
+    the rank-0 address (pipelines) and the HF token from the `hf-token` secret; rank 0 serves and is probed."""
+    env: list[dict[str, Any]] = [
+        {"name": NODE_ADDR_VAR, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf-token", "key": "token", "optional": True}}},
+    ]
+    if head_addr is not None:
+        env.append({"name": HEAD_ADDR_VAR, "value": head_addr})
+    env += [{"name": k, "value": _k8s_expand(v)} for k, v in launch.env.items()]
+    ports = [{"containerPort": NIXL_SIDE_CHANNEL_PORT, "name": "nixl"}] if launch.env else []
     c: dict[str, Any] = {
-        "name": name,
+        "name": "vllm",
         "image": image,
-        "resources": {"limits": {"nvidia.com/gpu": str(gpus)}, "requests": {"nvidia.com/gpu": str(gpus)}},
+        "command": launch.argv[:2],
+        "args": [_k8s_expand(a) for a in launch.argv[2:]],
+        "resources": {
+            "limits": {"nvidia.com/gpu": str(launch.gpus)},
+            "requests": {"nvidia.com/gpu": str(launch.gpus)},
+        },
         "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}],
-        "env": [
-            {
-                "name": "HF_TOKEN",
-                "valueFrom": {"secretKeyRef": {"name": "hf-token", "key": "token", "optional": True}},
-            }
-        ],
+        "env": env,
+        "ports": ports,
     }
-    if launch is not None:
-        c["command"] = launch.argv[:2]
-        c["args"] = launch.argv[2:]
-        c["env"] += [{"name": k, "value": v} for k, v in launch.env.items()]
-        c["ports"] = [{"containerPort": VLLM_PORT, "name": "http"}]
+    if launch.rank == 0:
+        c["ports"] = [{"containerPort": VLLM_PORT, "name": "http"}, *ports]
         c["readinessProbe"] = {
             "httpGet": {"path": "/health", "port": VLLM_PORT},
             "initialDelaySeconds": 60,
@@ -171,14 +201,34 @@ def _labels(inst: PlanInstance, name: str) -> dict[str, str]:
     }
 
 
-def _service(name: str, selector: dict[str, str]) -> dict[str, Any]:
+def _service(name: str, selector: dict[str, str], headless: bool = False) -> dict[str, Any]:
+    spec: dict[str, Any] = {
+        "selector": selector,
+        "ports": [{"name": "http", "port": VLLM_PORT, "targetPort": VLLM_PORT}],
+    }
+    if headless:
+        spec["clusterIP"] = "None"
+        spec["publishNotReadyAddresses"] = True  # the other ranks must reach rank 0 before it is ready
+    return {"apiVersion": "v1", "kind": "Service", "metadata": {"name": name}, "spec": spec}
+
+
+def _deployment(
+    name: str, labels: dict[str, str], replicas: int, launch: NodeLaunch, o: NodeOffering, image: str,
+    head_addr: str | None = None,
+) -> dict[str, Any]:
     return {
-        "apiVersion": "v1",
-        "kind": "Service",
-        "metadata": {"name": name},
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": name, "labels": labels},
         "spec": {
-            "selector": selector,
-            "ports": [{"name": "http", "port": VLLM_PORT, "targetPort": VLLM_PORT}],
+            "replicas": replicas,
+            "strategy": {"type": "Recreate"},
+            "selector": {"matchLabels": {k: labels[k] for k in ("app.kubernetes.io/name", "coral.io/rank")
+                                         if k in labels}},
+            "template": {
+                "metadata": {"labels": labels},
+                "spec": _pod_spec(_container(launch, image, head_addr), o),
+            },
         },
     }
 
@@ -194,107 +244,65 @@ def k8s_deployment(
     """Deployment + Service for `replicas` single-node replicas running `launch`."""
     labels = _labels(inst, name)
     o = offering(catalog, launch.config, inst.region)
-    dep = {
-        "apiVersion": "apps/v1",
-        "kind": "Deployment",
-        "metadata": {"name": name, "labels": labels},
-        "spec": {
-            "replicas": replicas,
-            "selector": {"matchLabels": {"app.kubernetes.io/name": name}},
-            "template": {
-                "metadata": {"labels": labels},
-                "spec": _pod_spec(_container("vllm", launch, launch.gpus, image), o),
-            },
-        },
-    }
+    dep = _deployment(name, labels, replicas, launch, o, image)
     return [dep, _service(name, {"app.kubernetes.io/name": name})]
 
 
-def k8s_raycluster(
-    inst: PlanInstance, index: int, catalog: Catalog, image: str = VLLM_IMAGE
+def k8s_pipeline(
+    inst: PlanInstance, index: int, catalog: Catalog, image: str = VLLM_IMAGE, push: bool = False
 ) -> list[dict[str, Any]]:
-    """RayCluster (head = stage 0, a worker group per node config of the other stages) + launch Job + Service.
+    """One single-pod Deployment per pipeline rank plus a headless Service on rank 0.
 
-    vLLM's Ray executor gives rank 0 to the driver (the head, stage 0) and orders the other workers by node
-    IP: with three or more stages on different configs the stage-to-config mapping of the later stages is not
-    guaranteed. `--target commands` places every stage exactly (explicit `--node-rank`)."""
-    (launch,) = launch_commands(inst, catalog.model(inst.model), executor="ray")
+    Rank r runs on an instance of stage r's config (node selector) with `--node-rank r`: the mapping from
+    stages to nodes is fixed by the manifest, not by scheduling order."""
     name = dns_name(group_name(inst), str(index), limit=40)
-    labels = _labels(inst, name)
-    head_cfg = inst.stages[0].nodes[0]
-    head_o = offering(catalog, head_cfg, inst.region)
-    workers: dict[str, int] = defaultdict(int)
-    for s in inst.stages[1:]:
-        workers[s.nodes[0]] += 1
-    worker_groups = []
-    for cfg, n in sorted(workers.items()):
-        _, gpus = parse_config_name(cfg)
-        o = offering(catalog, cfg, inst.region)
-        worker_groups.append(
-            {
-                "groupName": dns_name(cfg, limit=30),
-                "replicas": n,
-                "minReplicas": n,
-                "maxReplicas": n,
-                "rayStartParams": {},
-                "template": {
-                    "metadata": {"labels": labels},
-                    "spec": _pod_spec(_container("ray-worker", None, gpus, image), o),
-                },
-            }
-        )
-    cluster = {
-        "apiVersion": "ray.io/v1",
-        "kind": "RayCluster",
-        "metadata": {"name": name, "labels": labels},
-        "spec": {
-            "rayVersion": RAY_VERSION,
-            "headGroupSpec": {
-                "rayStartParams": {"dashboard-host": "0.0.0.0"},
-                "template": {
-                    "metadata": {"labels": labels},
-                    "spec": _pod_spec(
-                        _container("ray-head", None, parse_config_name(head_cfg)[1], image), head_o
-                    ),
-                },
-            },
-            "workerGroupSpecs": worker_groups,
-        },
-    }
-    submit = [
-        "ray",
-        "job",
-        "submit",
-        "--address",
-        f"http://{name}-head-svc:8265",
-        "--no-wait",
-        "--",
-        "bash",
-        "-c",
-        launch.shell(),
-    ]
-    job = {
-        "apiVersion": "batch/v1",
-        "kind": "Job",
-        "metadata": {"name": f"{name}-launch", "labels": labels},
-        "spec": {
-            "backoffLimit": 10,
-            "template": {
-                "metadata": {"labels": labels},
-                "spec": {
-                    "restartPolicy": "OnFailure",
-                    "containers": [{"name": "submit", "image": image, "command": submit}],
-                },
-            },
-        },
-    }
-    return [cluster, job, _service(name, {"ray.io/cluster": name, "ray.io/node-type": "head"})]
+    docs: list[dict[str, Any]] = []
+    for launch in launch_commands(inst, catalog.model(inst.model), push=push):
+        labels = {**_labels(inst, name), "coral.io/rank": str(launch.rank)}
+        o = offering(catalog, launch.config, inst.region)
+        docs.append(_deployment(f"{name}-r{launch.rank}", labels, 1, launch, o, image, head_addr=name))
+    docs.append(_service(name, {"app.kubernetes.io/name": name, "coral.io/rank": "0"}, headless=True))
+    return docs
 
 
 def _endpoint(service: str, inst: PlanInstance, weight: float) -> EndpointSpec:
     return EndpointSpec(
         id=service, model=inst.model, phase=inst.phase, url=f"http://{service}:{VLLM_PORT}", weight=weight
     )
+
+
+# --- coverage ---------------------------------------------------------------------------------------------
+def skipped_instances(plan: Plan, target: Target, catalog: Catalog) -> dict[str, str]:
+    """Instance id -> why stock vLLM on `target` cannot launch it."""
+    out: dict[str, str] = {}
+    for inst in plan.instances:
+        check = realisable(inst, catalog.model(inst.model))
+        if not check:
+            out[inst.id] = check.reason
+        elif target == "skypilot" and len(inst.stages) > 1:
+            out[inst.id] = "multi-node pipeline: SkyPilot replicas are single-node; use --target kubernetes or commands"
+    return out
+
+
+def uncovered_keys(plan: Plan, skipped: dict[str, str]) -> list[tuple[str, str]]:
+    """(model, phase) pairs of the plan left with no launchable instance."""
+    keys = dict.fromkeys((i.model, i.phase) for i in plan.instances)
+    return [k for k in keys if all(i.id in skipped for i in plan.instances_of(*k))]
+
+
+def node_script(inst: PlanInstance, launch: NodeLaunch) -> str:
+    """A stand-alone script for one node: run it on that node (pipelines: every rank, rank 0 anywhere first)."""
+    role = f"pipeline rank {launch.rank} of {len(inst.stages)}" if len(inst.stages) > 1 else f"replica {launch.replica}"
+    lines = [
+        "#!/usr/bin/env bash",
+        f"# {inst.id}: {role}, on a {launch.config} node in {inst.region}",
+        "set -euo pipefail",
+        f"export {NODE_ADDR_VAR}=${{{NODE_ADDR_VAR}:-$(hostname -I | awk '{{print $1}}')}}",
+    ]
+    if len(inst.stages) > 1:
+        lines.append(f': "${{{HEAD_ADDR_VAR}:?set {HEAD_ADDR_VAR} to the address of the rank-0 node}}"')
+    lines.append(launch.shell(exec_=True))
+    return "\n".join(lines) + "\n"
 
 
 # --- writing ----------------------------------------------------------------------------------------------
@@ -316,41 +324,31 @@ def render(
         )
         res.files.append(path)
 
+    push = push_models(plan.instances)
+    res.skipped = skipped_instances(plan, target, cat)
+    res.uncovered = uncovered_keys(plan, res.skipped)
     for (_m, _p, _t, _r), insts in groups(plan).items():
         first = insts[0]
-        check = realisable(first, cat.model(first.model))
-        if not check:
-            res.skipped.update({i.id: check.reason for i in insts})
+        if first.id in res.skipped:
             continue
-        single = len(first.stages) == 1
-        if single and target != "commands":
-            for name, (launch, replicas, weight) in replica_groups(insts, cat).items():
+        use_push = first.model in push
+        if len(first.stages) == 1 and target != "commands":
+            for name, (launch, replicas, weight) in replica_groups(insts, cat, use_push).items():
                 if target == "skypilot":
-                    write(f"{name}.sky.yaml", [skypilot_service(first, launch, name, replicas, cat)])
+                    write(f"{name}.sky.yaml", [skypilot_service(first, launch, name, replicas, cat, image)])
                 else:
                     write(f"{name}.k8s.yaml", k8s_deployment(first, launch, name, replicas, cat, image))
                     res.endpoints.append(_endpoint(name, first, weight))
-        elif target == "skypilot":
-            res.skipped.update(
-                {i.id: "multi-node pipeline: use --target kubernetes or commands" for i in insts}
-            )
         elif target == "kubernetes":
             for k, inst in enumerate(insts):
-                docs = k8s_raycluster(inst, k, cat, image)
-                write(f"{group_name(first)}-{k}.raycluster.yaml", docs)
+                docs = k8s_pipeline(inst, k, cat, image, use_push)
+                write(f"{group_name(first)}-{k}.pipeline.k8s.yaml", docs)
                 res.endpoints.append(_endpoint(docs[-1]["metadata"]["name"], inst, inst.throughput))
         else:
             for inst in insts:
-                lines = [
-                    "#!/usr/bin/env bash",
-                    f"# {inst.id}: one line per node (pipelines: run rank 0 first)",
-                    "set -euo pipefail",
-                ]
-                for nl in launch_commands(inst, cat.model(inst.model)):
-                    role = f"rank {nl.rank}" if len(inst.stages) > 1 else f"replica {nl.replica}"
-                    lines.append(f"# {role} on a {nl.config} node in {inst.region}")
-                    lines.append(nl.shell())
-                write(f"{dns_name(inst.id, limit=60)}.sh", "\n".join(lines) + "\n")
+                for nl in launch_commands(inst, cat.model(inst.model), push=use_push):
+                    role = f"rank{nl.rank}" if len(inst.stages) > 1 else f"replica{nl.replica}"
+                    write(f"{dns_name(inst.id, limit=60)}.{role}.sh", node_script(inst, nl))
     if res.endpoints:
         EndpointsFile(endpoints=res.endpoints).save(out / "endpoints.json")
     index = {
@@ -359,6 +357,7 @@ def render(
         "scenario": plan.scenario,
         "files": [p.name for p in res.files],
         "skipped": res.skipped,
+        "uncovered": [f"{m}/{p}" for m, p in res.uncovered],
     }
     (out / "index.json").write_text(json.dumps(index, indent=2))
     return res

@@ -4,8 +4,13 @@ Stock vLLM (0.33) runs a pipeline with one tensor-parallel size for every stage 
 inside a stage; uneven layer splits go through `VLLM_PP_LAYER_PARTITION`. A template is therefore realisable
 when it is a single stage (each of its data-parallel nodes then runs as an independent replica), or a
 pipeline whose every stage is exactly one node with the same GPU count (GPU types may differ between stages:
-each node runs its own rank of a multi-node launch). The attention heads must also divide by the TP size. Prefill and decode instances are launched with a NIXL KV-transfer config (`kv_both`), the setup of
-vLLM's disaggregated-prefill proxy, which the Coral gateway reproduces.
+each node runs its own rank of a multi-node launch). The attention heads must also divide by the TP size.
+
+Prefill/decode disaggregation adds the KV connector's limits: `NixlConnector` rejects pipeline ranks above 0,
+so a disaggregated decode instance must be a single stage; a prefill pipeline is launched with the push-based
+`NixlPushConnector` (the prefill ranks write each layer's KV to the decode node), and then every instance of
+that model uses it, since both sides of a transfer must speak the same connector. Each rank advertises its
+NIXL side channel on `VLLM_NIXL_SIDE_CHANNEL_HOST` (the node's own address) and port 5600.
 """
 
 from __future__ import annotations
@@ -17,12 +22,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import numpy as np
+
 from coral.allocation.plan import PlanInstance
+from coral.catalog.loader import Catalog, CoralInputError
 from coral.catalog.schema import ModelArch, parse_config_name
+from coral.templates.library import TemplateLibrary, dominated_rows
 
 VLLM_PORT = 8000
+NIXL_SIDE_CHANNEL_PORT = 5600
 KV_TRANSFER_CONFIG = {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
 HEAD_ADDR_VAR = "CORAL_HEAD_ADDR"
+NODE_ADDR_VAR = "CORAL_NODE_ADDR"
 
 
 class _StageLike(Protocol):
@@ -54,11 +65,19 @@ def _heads_divide(arch: ModelArch | None, tp: int) -> Realisability:
     return Realisability(True)
 
 
-def check_stages(stages: Sequence[_StageLike], arch: ModelArch | None = None) -> Realisability:
+def check_stages(
+    stages: Sequence[_StageLike], arch: ModelArch | None = None, phase: str | None = None
+) -> Realisability:
     """Single stage: every node is an independent replica (any configs). Pipeline: one node per stage, one
-    GPU count for all."""
+    GPU count for all, and not on the decode side of a disaggregated deployment (`phase="decode"`)."""
     if not stages:
         return Realisability(False, "no stages")
+    if phase == "decode" and len(stages) > 1:
+        return Realisability(
+            False,
+            f"a {len(stages)}-stage decode pipeline: vLLM's NixlConnector rejects pipeline ranks above 0, so a "
+            "disaggregated decode instance must be one stage",
+        )
     if len(stages) == 1:
         for cfg in sorted(set(stages[0].nodes)):
             check = _heads_divide(arch, parse_config_name(cfg)[1])
@@ -79,14 +98,35 @@ def check_stages(stages: Sequence[_StageLike], arch: ModelArch | None = None) ->
     return _heads_divide(arch, tps[0])
 
 
-def realisable(template: _TemplateLike, arch: ModelArch | None = None) -> Realisability:
-    """Whether stock vLLM can run `template` (a Template or a PlanInstance), with the reason when not."""
-    return check_stages(template.stages, arch)
+def realisable(
+    template: _TemplateLike, arch: ModelArch | None = None, phase: str | None = None
+) -> Realisability:
+    """Whether stock vLLM can run `template` (a Template or a PlanInstance) in a disaggregated deployment,
+    with the reason when not; `phase` defaults to the template's own."""
+    return check_stages(template.stages, arch, phase or _phase_of(template))
 
 
-def vllm_compatible_filter(stages: Sequence[_StageLike]) -> bool:
+def _phase_of(template: object) -> str | None:
+    phase = getattr(template, "phase", None)
+    return None if phase is None else str(getattr(phase, "value", phase))
+
+
+def vllm_compatible_filter(stages: Sequence[_StageLike], phase: str | None = None) -> bool:
     """Predicate for template generation: keep only layouts stock vLLM can launch."""
-    return check_stages(stages).ok
+    return check_stages(stages, phase=phase).ok
+
+
+def kv_transfer_config(phase: str, push: bool) -> dict[str, str]:
+    """The `--kv-transfer-config` of a disaggregated instance: NIXL pull (`kv_both`) by default, the push
+    connector (prefill produces, decode consumes) when some prefill instance of the model is a pipeline."""
+    if not push:
+        return dict(KV_TRANSFER_CONFIG)
+    return {"kv_connector": "NixlPushConnector", "kv_role": "kv_producer" if phase == "prefill" else "kv_consumer"}
+
+
+def side_channel_env(node_addr: str = f"${NODE_ADDR_VAR}") -> dict[str, str]:
+    """NIXL's side channel: each rank advertises its own address (not the pod's 0.0.0.0) and a fixed port."""
+    return {"VLLM_NIXL_SIDE_CHANNEL_HOST": node_addr, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(NIXL_SIDE_CHANNEL_PORT)}
 
 
 @dataclass(frozen=True)
@@ -101,11 +141,15 @@ class NodeLaunch:
     env: dict[str, str] = field(default_factory=dict)
     replica: int = 0
 
-    def shell(self) -> str:
-        """One shell line; `$VAR` arguments stay expandable, everything else is quoted."""
-        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in self.env.items())
-        args = " ".join(f'"{a}"' if re.fullmatch(r"\$\w+", a) else shlex.quote(a) for a in self.argv)
+    def shell(self, exec_: bool = False) -> str:
+        """One shell line (`exec_`: replacing the shell); `$VAR` values stay expandable, the rest is quoted."""
+        env = " ".join(f"{k}={_quote(v)}" for k, v in self.env.items())
+        args = ("exec " if exec_ else "") + " ".join(_quote(a) for a in self.argv)
         return (env + " " if env else "") + args
+
+
+def _quote(word: str) -> str:
+    return f'"{word}"' if re.fullmatch(r"\$\w+", word) else shlex.quote(word)
 
 
 def launch_commands(
@@ -114,42 +158,75 @@ def launch_commands(
     port: int = VLLM_PORT,
     head_addr: str = f"${HEAD_ADDR_VAR}",
     disaggregated: bool = True,
-    executor: str = "mp",
+    push: bool = False,
+    node_addr: str = f"${NODE_ADDR_VAR}",
 ) -> list[NodeLaunch]:
     """`vllm serve` per node of `instance`.
 
     A single-stage instance gives one independent replica per node (each serves the API). A pipeline gives
-    one rank per stage: rank 0 serves the API, the others run headless; `executor="mp"` gives every node an
-    explicit `--node-rank` (exact stage placement), `"ray"` one command for the head of a Ray cluster that
-    already holds the nodes (KubeRay).
+    one rank per stage with an explicit `--node-rank` (the node of stage r runs rank r, so it loads exactly the
+    layers the plan gave its stage): rank 0 serves the API, the others run headless. `disaggregated` adds the
+    KV connector (`push`: the push connector, see `kv_transfer_config`) and the NIXL side-channel address.
     """
-    check = realisable(instance, arch)
+    check = realisable(instance, arch) if disaggregated else check_stages(instance.stages, arch)
     if not check:
         raise ValueError(f"instance {instance.id} is not realisable by stock vLLM: {check.reason}")
     pp = len(instance.stages)
+    if disaggregated and pp > 1 and not push:
+        raise ValueError(f"instance {instance.id}: a disaggregated prefill pipeline needs the push connector (push=True)")
+    kv_env = side_channel_env(node_addr) if disaggregated else {}
 
     def base(tp: int) -> list[str]:
         argv = ["vllm", "serve", arch.hf_id or arch.name, "--served-model-name", instance.model]
         argv += ["--tensor-parallel-size", str(tp), "--pipeline-parallel-size", str(pp)]
         if disaggregated:
-            argv += ["--kv-transfer-config", json.dumps(KV_TRANSFER_CONFIG, separators=(",", ":"))]
+            kv = kv_transfer_config(instance.phase, push)
+            argv += ["--kv-transfer-config", json.dumps(kv, separators=(",", ":"))]
         return argv
 
     api = ["--host", "0.0.0.0", "--port", str(port)]
     if pp == 1:
         return [
-            NodeLaunch(instance.id, 0, cfg, g, base(g) + api, replica=k)
+            NodeLaunch(instance.id, 0, cfg, g, base(g) + api, dict(kv_env), replica=k)
             for k, cfg in enumerate(instance.stages[0].nodes)
             for g in [parse_config_name(cfg)[1]]
         ]
     tp = parse_config_name(instance.stages[0].nodes[0])[1]
-    env = {"VLLM_PP_LAYER_PARTITION": ",".join(str(s.layers) for s in instance.stages)}
-    if executor == "ray":
-        argv = [*base(tp), *api, "--distributed-executor-backend", "ray"]
-        return [NodeLaunch(instance.id, 0, instance.stages[0].nodes[0], tp, argv, env)]
+    env = {"VLLM_PP_LAYER_PARTITION": ",".join(str(s.layers) for s in instance.stages), **kv_env}
     out = []
     for r, s in enumerate(instance.stages):
         dist = ["--nnodes", str(pp), "--node-rank", str(r), "--master-addr", head_addr]
         argv = base(tp) + (api + dist if r == 0 else [*dist, "--headless"])
         out.append(NodeLaunch(instance.id, r, s.nodes[0], tp, argv, dict(env)))
     return out
+
+
+def push_models(instances: Sequence[PlanInstance]) -> set[str]:
+    """Models whose disaggregated instances need the push connector: some prefill instance is a pipeline."""
+    return {i.model for i in instances if i.phase == "prefill" and len(i.stages) > 1}
+
+
+ENGINES = ("coral", "vllm")
+
+
+def engine_library(library: TemplateLibrary, engine: str, catalog: Catalog) -> TemplateLibrary:
+    """The templates `engine` can run: all of them for the Coral engine, the ones stock vLLM launches in a
+    disaggregated deployment for `vllm` (`realisable`, vectorised over the library's columns; dominance
+    flags recomputed within what is left)."""
+    if engine not in ENGINES:
+        raise CoralInputError(f"--engine: must be one of {', '.join(ENGINES)}, not {engine!r}")
+    if engine == "coral" or not len(library):
+        return library
+    used = library.nodes >= 0
+    tp_of = np.array([parse_config_name(c)[1] for c in library.configs])
+    tp = np.where(used, tp_of[np.maximum(library.nodes, 0)], 0)
+    heads = np.array([catalog.model(str(m)).num_attention_heads for m in library.model])
+    heads_ok = ((heads[:, None] % np.maximum(tp, 1) == 0) | ~used).all(axis=1)
+    n_stages = library.n_stages
+    one_node_per_stage = used.sum(axis=1) == n_stages
+    one_tp = tp.max(axis=1) == np.where(used, tp, tp.max() + 1).min(axis=1)
+    pipeline_ok = one_node_per_stage & one_tp & (library.phase != "decode")
+    keep = heads_ok & ((n_stages == 1) | pipeline_ok)
+    sub = library.subset(np.flatnonzero(keep))
+    sub.dominated = dominated_rows(sub)
+    return sub
