@@ -3,9 +3,13 @@
 Engines (zero-delay emulated, one process) and the gateway (another process) run on loopback; the load
 generator is a minimal asyncio HTTP/1.1 client in this process. Latency: sequential non-streaming chat requests.
 Throughput: closed loop with `--concurrency` clients. Routes measured: direct to a decode engine, through the
-gateway to a single pool, and through the gateway's PD path (prefill call then decode call).
+gateway to a single pool, and through the gateway's PD path (prefill call then decode call). Fixed rates
+(`--rates`): open-loop arrivals at each rate for `--seconds`, the three routes measured one after the other in
+the same run, so "added" latency compares like with like. `--http/--loop` pick uvicorn's implementations
+(h11/asyncio, or httptools/uvloop when installed) for the gateway and the engines.
 
     .venv/bin/python benchmarks/gateway.py [--requests 400] [--concurrency 32] [--engines 2] [--repeats 3]
+        [--rates 200,500,1000] [--seconds 3] [--http auto|h11|httptools] [--loop auto|asyncio|uvloop]
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import argparse
 import asyncio
 import json
 import multiprocessing as mp
+import os
 import statistics
 import time
 from pathlib import Path
@@ -30,9 +35,9 @@ from coral.runtime.server import ServerThread, free_port
 OUT = Path("out/benchmarks/gateway.json")
 
 
-def _engines(specs: list[tuple[str, str, str, int]], ready: Any, stop: Any) -> None:
+def _engines(specs: list[tuple[str, str, str, int]], ready: Any, stop: Any, opts: dict[str, str]) -> None:
     servers = [
-        ServerThread(create_engine_app(iid, model, phase, EngineTiming.constant()), port=port).start()
+        ServerThread(create_engine_app(iid, model, phase, EngineTiming.constant()), port=port, **opts).start()
         for iid, model, phase, port in specs
     ]
     ready.set()
@@ -41,11 +46,13 @@ def _engines(specs: list[tuple[str, str, str, int]], ready: Any, stop: Any) -> N
         s.stop()
 
 
-def _gateway(specs: list[tuple[str, str, str, int]], port: int, ready: Any, stop: Any) -> None:
+def _gateway(
+    specs: list[tuple[str, str, str, int]], port: int, ready: Any, stop: Any, opts: dict[str, str]
+) -> None:
     reg = Registry()
     for iid, model, phase, p in specs:
         reg.add(Endpoint(iid, model, phase, f"http://127.0.0.1:{p}", 1.0, InstanceState.READY))
-    srv = ServerThread(create_gateway_app(reg, GatewayConfig(max_concurrency=512)), port=port).start()
+    srv = ServerThread(create_gateway_app(reg, GatewayConfig(max_concurrency=512)), port=port, **opts).start()
     ready.set()
     stop.wait()
     srv.stop()
@@ -111,7 +118,55 @@ async def throughput(port: int, model: str, n: int, concurrency: int) -> float:
     return n / (time.perf_counter() - t0)
 
 
+async def fixed_rate(port: int, model: str, rate: float, seconds: float) -> dict[str, float]:
+    """Open loop: a request every 1/rate s (each on an idle keep-alive connection, or a new one)."""
+    idle: list[RawClient] = []
+    lat: list[float] = []
+    errors = 0
+
+    async def one(i: int) -> None:
+        nonlocal errors
+        c = idle.pop() if idle else RawClient(port)
+        t0 = time.perf_counter()
+        try:
+            await c.post("/v1/chat/completions", body(model, i))
+            lat.append(time.perf_counter() - t0)
+            idle.append(c)
+        except (OSError, RuntimeError, asyncio.IncompleteReadError):
+            errors += 1
+            c.close()
+
+    n = int(rate * seconds)
+    tasks = []
+    start = time.perf_counter()
+    for i in range(n):
+        delay = start + i / rate - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(one(i)))
+    await asyncio.gather(*tasks)
+    elapsed = time.perf_counter() - start
+    for c in idle:
+        c.close()
+    return {
+        "offered_rps": rate,
+        "served_rps": len(lat) / elapsed,
+        "errors": errors,
+        "p50_ms": pct(lat, 0.5),
+        "p99_ms": pct(lat, 0.99),
+    }
+
+
+def cpu_s(pid: int | None) -> float:
+    """User + system CPU seconds of process `pid` so far (Linux /proc): robust to other load on the machine,
+    unlike wall-clock latency."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def pct(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
     s = sorted(xs)
     return 1e3 * s[min(len(s) - 1, int(q * len(s)))]
 
@@ -122,7 +177,12 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--engines", type=int, default=2, help="decode engines per pool")
     ap.add_argument("--repeats", type=int, default=3, help="best of N (latency: min; req/s: max)")
+    ap.add_argument("--rates", default="200,500,1000", help="fixed arrival rates (req/s); '' to skip")
+    ap.add_argument("--seconds", type=float, default=3.0, help="duration of each fixed-rate run")
+    ap.add_argument("--http", default="auto", help="uvicorn HTTP implementation: auto | h11 | httptools")
+    ap.add_argument("--loop", default="auto", help="uvicorn event loop: auto | asyncio | uvloop")
     args = ap.parse_args()
+    opts = {"http": args.http, "loop": args.loop}
 
     specs = [(f"pd.p{k}", "pd", "prefill", free_port()) for k in range(args.engines)]
     specs += [(f"pd.d{k}", "pd", "decode", free_port()) for k in range(args.engines)]
@@ -131,8 +191,8 @@ def main() -> None:
     stop, ready_e, ready_g = ctx.Event(), ctx.Event(), ctx.Event()
     gw_port = free_port()
     procs = [
-        ctx.Process(target=_engines, args=(specs, ready_e, stop), daemon=True),
-        ctx.Process(target=_gateway, args=(specs, gw_port, ready_g, stop), daemon=True),
+        ctx.Process(target=_engines, args=(specs, ready_e, stop, opts), daemon=True),
+        ctx.Process(target=_gateway, args=(specs, gw_port, ready_g, stop, opts), daemon=True),
     ]
     for p in procs:
         p.start()
@@ -144,18 +204,28 @@ def main() -> None:
         "gateway, PD path": (gw_port, "pd"),
     }
     rows: dict[str, dict[str, float]] = {}
+    fixed: list[dict[str, Any]] = []
     try:
+        for rate in [float(r) for r in args.rates.split(",") if r.strip()]:
+            for name, (port, model) in routes.items():
+                fixed.append({"route": name, **asyncio.run(fixed_rate(port, model, rate, args.seconds))})
         for name, (port, model) in routes.items():
             runs = []
             for _ in range(args.repeats):  # the machine may be shared: keep the quietest repeat
                 lat = asyncio.run(latency(port, model, args.requests))
+                cpu0 = [cpu_s(p.pid) for p in procs]
                 rps = asyncio.run(throughput(port, model, args.requests * 4, args.concurrency))
+                cpu = [
+                    (cpu_s(p.pid) - c0) * 1e3 / (args.requests * 4) for p, c0 in zip(procs, cpu0, strict=True)
+                ]
                 runs.append(
                     {
                         "p50_ms": pct(lat, 0.5),
                         "p99_ms": pct(lat, 0.99),
                         "mean_ms": 1e3 * statistics.fmean(lat),
                         "max_rps": rps,
+                        "engines_cpu_ms_per_req": cpu[0],
+                        "gateway_cpu_ms_per_req": cpu[1],
                     }
                 )
             rows[name] = {
@@ -163,6 +233,8 @@ def main() -> None:
                 "p99_ms": min(r["p99_ms"] for r in runs),
                 "mean_ms": min(r["mean_ms"] for r in runs),
                 "max_rps": max(r["max_rps"] for r in runs),
+                "engines_cpu_ms_per_req": min(r["engines_cpu_ms_per_req"] for r in runs),
+                "gateway_cpu_ms_per_req": min(r["gateway_cpu_ms_per_req"] for r in runs),
             }
     finally:
         stop.set()
@@ -174,7 +246,15 @@ def main() -> None:
         r["added_p99_ms"] = r["p99_ms"] - base["p99_ms"]
 
     t = Table(
-        "route", "p50 ms", "p99 ms", "added p50 ms", "added p99 ms", "max req/s", title="gateway overhead"
+        "route",
+        "p50 ms",
+        "p99 ms",
+        "added p50 ms",
+        "added p99 ms",
+        "max req/s",
+        "gateway CPU ms/req",
+        "engines CPU ms/req",
+        title=f"gateway overhead (load average {os.getloadavg()[0]:.1f} on {mp.cpu_count()} CPUs)",
     )
     for name, r in rows.items():
         t.add_row(
@@ -184,8 +264,39 @@ def main() -> None:
             f"{r['added_p50_ms']:+.2f}",
             f"{r['added_p99_ms']:+.2f}",
             f"{r['max_rps']:.0f}",
+            f"{r['gateway_cpu_ms_per_req']:.3f}",
+            f"{r['engines_cpu_ms_per_req']:.3f}",
         )
     Console().print(t)
+    if fixed:
+        f = Table(
+            "offered req/s",
+            "route",
+            "served req/s",
+            "errors",
+            "p50 ms",
+            "p99 ms",
+            "added p50",
+            "added p99",
+            title=f"fixed rates ({args.seconds:g} s each; added = vs direct at the same rate)",
+        )
+        for r in fixed:
+            base_r = next(
+                b for b in fixed if b["offered_rps"] == r["offered_rps"] and b["route"] == "direct (engine)"
+            )
+            r["added_p50_ms"] = r["p50_ms"] - base_r["p50_ms"]
+            r["added_p99_ms"] = r["p99_ms"] - base_r["p99_ms"]
+            f.add_row(
+                f"{r['offered_rps']:.0f}",
+                r["route"],
+                f"{r['served_rps']:.0f}",
+                str(r["errors"]),
+                f"{r['p50_ms']:.2f}",
+                f"{r['p99_ms']:.2f}",
+                f"{r['added_p50_ms']:+.2f}",
+                f"{r['added_p99_ms']:+.2f}",
+            )
+        Console().print(f)
     OUT.parent.mkdir(parents=True, exist_ok=True)
     meta = {
         "requests": args.requests,
@@ -193,8 +304,11 @@ def main() -> None:
         "engines_per_pool": args.engines,
         "repeats": args.repeats,
         "cpus": mp.cpu_count(),
+        "http": args.http,
+        "loop": args.loop,
+        "load_avg_1m": os.getloadavg()[0],
     }
-    OUT.write_text(json.dumps({"config": meta, "routes": rows}, indent=2))
+    OUT.write_text(json.dumps({"config": meta, "routes": rows, "fixed_rates": fixed}, indent=2))
     Console().print(f"wrote {OUT}")
 
 

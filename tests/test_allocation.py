@@ -238,18 +238,19 @@ def test_baselines_meet_demand_and_never_beat_coral() -> None:
     lib = random_library(11, ["a", "b"])
     sc = scenario(["a", "b"], rates=[2.0, 1.0])
     coral = allocate(lib, sc, availability=UNLIMITED, gap=1e-9)
-    for plan in (baselines.homo(lib, sc, availability=UNLIMITED), baselines.cauchy(lib, sc, availability=UNLIMITED)):
+    for plan in (baselines.homo_greedy(lib, sc, availability=UNLIMITED),
+                 baselines.cauchy_paper(lib, sc, availability=UNLIMITED)):
         assert all(s.served_fraction == pytest.approx(1.0) for s in plan.serving)
         assert all(len(i.counts) == 1 for i in plan.instances)
         assert plan.cost_per_hour >= coral.cost_per_hour - 1e-9
-    assert baselines.homo(lib, sc, availability=UNLIMITED).method == "homo"
+    assert baselines.homo_greedy(lib, sc, availability=UNLIMITED).method == "homo-greedy"
 
 
 def test_homo_degrades_under_scarcity() -> None:
     lib, sc, av = scarce_case()
     dem = {("a", Phase.PREFILL): 300.0, ("a", Phase.DECODE): 20.0, ("b", Phase.PREFILL): 300.0,
            ("b", Phase.DECODE): 20.0}
-    plan = baselines.homo(lib, sc, demand=dem, availability=av)
+    plan = baselines.homo_greedy(lib, sc, demand=dem, availability=av)
     assert sum(i.n_nodes for i in plan.instances) == 3
     assert min(s.served_fraction for s in plan.serving) < 1
 

@@ -96,6 +96,38 @@ def test_user_adds_a_model_from_hf_config(tmp_path: Path, monkeypatch: pytest.Mo
         builtin_catalog.cache_clear()
 
 
+def test_user_adds_a_model_by_hf_id_from_the_local_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import json
+
+    from typer.testing import CliRunner
+
+    from coral.cli.main import app
+
+    monkeypatch.setenv("CORAL_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    builtin_catalog.cache_clear()
+    cfg = {"num_hidden_layers": 24, "hidden_size": 2048, "num_attention_heads": 16, "num_key_value_heads": 2,
+           "intermediate_size": 11008, "vocab_size": 151936}
+    try:
+        res = CliRunner().invoke(app, ["models", "add", "q3b", "--hf-id", "Qwen/Qwen2.5-3B"])
+        assert res.exit_code == 2 and "local Hugging Face cache" in res.output and "config.json" in res.output
+        snap = tmp_path / "hub" / "models--Qwen--Qwen2.5-3B" / "snapshots" / "abc123"
+        snap.mkdir(parents=True)
+        (snap / "config.json").write_text(json.dumps(cfg))
+        res = CliRunner().invoke(app, ["models", "add", "q3b", "--hf-id", "Qwen/Qwen2.5-3B"])
+        assert res.exit_code == 0, res.output
+        added = builtin_catalog().model("q3b")
+        assert (added.num_hidden_layers, added.hf_id) == (24, "Qwen/Qwen2.5-3B")
+        assert (tmp_path / "home" / "models" / "q3b.yaml").exists()
+        res = CliRunner().invoke(app, ["models", "add", "x", "--hf-id", "not-an-id"])
+        assert res.exit_code == 2 and "ORG/NAME" in res.output
+        res = CliRunner().invoke(app, ["models", "add", "x"])
+        assert res.exit_code == 2 and "--hf-id" in res.output
+    finally:
+        monkeypatch.delenv("CORAL_HOME")
+        builtin_catalog.cache_clear()
+
+
 def test_scenario_availability_schedule_is_checked(tmp_path: Path) -> None:
     from coral.catalog.loader import data_path
 

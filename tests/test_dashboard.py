@@ -184,3 +184,37 @@ def test_runtime_controller_shaped_state() -> None:
         {"model": "phi-4", "count": 12, "p50_ms": 310.0, "p99_ms": 900.5, "ttft_p50_ms": 120.0}
     ]
     assert vm["latency"] == []
+
+
+def test_live_history_rates_in_flight_and_latency_from_successive_polls() -> None:
+    """Hand-made polls 2 s apart: rate = growth of the request counters / 2 s; in flight and p99s as reported."""
+    from coral.report.dashboard import LiveHistory
+
+    clock = iter([100.0, 102.0, 104.0])
+    history = LiveHistory(clock=lambda: next(clock))
+
+    def vm(requests: float, inflight: float, ttft: float) -> dict[str, Any]:
+        return {"live": {
+            "instances": [{"model": "m", "requests": requests / 2, "inflight": inflight / 2}] * 2,
+            "latency_summary": [{"model": "m", "ttft_p99_ms": ttft}],
+        }}
+
+    history.record(vm(10, 4, 300.0))
+    history.record(vm(30, 6, 350.0))
+    ts = history.record(vm(34, 2, 900.0))
+    assert ts is not None
+    assert ts["rate"]["m"] == [[2.0, 10.0], [4.0, 2.0]]
+    assert ts["queue"]["m"] == [[0.0, 4.0], [2.0, 6.0], [4.0, 2.0]]
+    assert ts["ttft_p99_ms"]["m"] == [[0.0, 300.0], [2.0, 350.0], [4.0, 900.0]]
+    assert ts["tpot_p99_ms"]["m"] == [] and ts["bin_s"] == 2.0
+
+
+def test_dashboard_state_carries_time_series_and_slos() -> None:
+    state = CountingState()
+    c = client(state)
+    c.get("/dashboard/state.json")
+    vm = c.get("/dashboard/state.json").json()
+    ts = vm["timeseries"]
+    assert set(ts["queue"]) == {i.model for i in state.plan.instances}
+    assert all(len(v) == 2 for v in ts["queue"].values()) and all(len(v) == 1 for v in ts["rate"].values())
+    assert vm["demand"] and all(d["slo_ttft_ms"] > 0 for d in vm["demand"])

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from coral.allocation.allocator import allocate
 from coral.allocation.demand import scenario_demand
 from coral.allocation.plan import Plan
 from coral.catalog.loader import CoralInputError, load_scenario
@@ -26,7 +27,7 @@ def test_epochs_experiment_is_deterministic_and_writes_files(out: Path) -> None:
     first = run_experiment("epochs", out, scenario="core")
     again = run_experiment("epochs", out, scenario="core")
     assert len(first.rows) == load_scenario("core").epochs
-    timing = ("solve_s", "wall_s")
+    timing = ("solve_s", "wall_s", "gap")  # the gap depends on when a wall-clock time limit hits
     strip = [{k: v for k, v in r.items() if k not in timing} for r in first.rows]
     assert strip == [{k: v for k, v in r.items() if k not in timing} for r in again.rows]
     assert first.rows[0]["stopped"] == 0 and first.rows[0]["penalty_per_hour"] == 0.0
@@ -46,7 +47,7 @@ def test_churn_counts_started_and_stopped(out: Path) -> None:
     runner = CliRunner()
     res = runner.invoke(app, ["allocate", "core", "--out", str(out)])
     assert res.exit_code == 0, res.output
-    plan = Plan.load(out / "core.coral.plan.json")
+    plan = Plan.load(out / "core.cost.coral.plan.json")
     assert _churn(None, plan) == (len(plan.instances), 0)
     assert _churn(plan, plan) == (0, 0)
     smaller = plan.model_copy(update={"instances": plan.instances[1:]})
@@ -55,11 +56,25 @@ def test_churn_counts_started_and_stopped(out: Path) -> None:
 
 def test_cli_modes_and_errors(out: Path) -> None:
     runner = CliRunner()
-    for args in (["--method", "homo"], ["--method", "cauchy"], ["--mode", "goodput", "--availability-factor", "1.25"]):
+    for args in (["--method", "homo-greedy"], ["--method", "homo-ilp"], ["--method", "cauchy-paper"],
+                 ["--mode", "goodput", "--availability-factor", "1.25"]):
         res = runner.invoke(app, ["allocate", "core", "--out", str(out), *args])
         assert res.exit_code == 0, res.output
     bad = runner.invoke(app, ["allocate", "core", "--out", str(out), "--mode", "cheap"])
     assert bad.exit_code == 2 and "--mode" in bad.output
+    bad = runner.invoke(app, ["experiment", "default", "core", "--out", str(out)])
+    assert bad.exit_code == 2 and "takes no scenario" in bad.output
+
+
+@pytest.mark.slow
+def test_waterfall_on_core_ends_at_the_default_scenario(out: Path) -> None:
+    res = CliRunner().invoke(app, ["experiment", "waterfall", "core", "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    rows = json.loads((out / "experiments" / "waterfall-core.json").read_text())["rows"]
+    assert [r["step"] for r in rows] == list(range(len(rows)))
+    coral = allocate(load_library("core", out), load_scenario("core"))
+    assert rows[-1]["coral"] == pytest.approx(coral.cost_per_hour, abs=1e-4)
+    assert (out / "experiments" / "waterfall-core.png").stat().st_size > 0
 
 
 def test_imbalanced_demand_shifts_toward_large_models() -> None:

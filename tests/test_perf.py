@@ -21,19 +21,43 @@ def test_prefill_step_matches_hand_roofline() -> None:
     t = float(PM.step_time(m, Phase.PREFILL, node, m.num_hidden_layers, tokens, W))
     heads_dim = m.num_attention_heads * sh.head_dim
     flops = m.num_hidden_layers * (2 * sh.active_params * tokens + 4 * tokens * (W.input_tokens / 2) * heads_dim)
-    p = PM.params
+    p = PM.params.for_gpu("H100")
     expected = flops / (989e12 * p.compute_efficiency) + p.step_overhead_ms / 1e3
     assert t == pytest.approx(expected, rel=1e-9)
 
 
 def test_small_decode_is_bandwidth_bound() -> None:
+    """Batch-1 decode streams the weights at the GPU's memory efficiency and reads the KV cache at its (lower)
+    attention efficiency."""
     m, node = CAT.model("llama-3-8b"), CAT.node_config("1xL4")
     sh = PM.shape(m)
     t = float(PM.step_time(m, Phase.DECODE, node, 10, 1, W))
     weight = (sh.attn_params + sh.dense_mlp_params) * 2
     kv = W.decode_context * sh.kv_bytes_per_token
-    expected = 10 * (weight + kv) / (300e9 * PM.params.memory_efficiency) + PM.params.step_overhead_ms / 1e3
-    assert t == pytest.approx(expected, rel=1e-9)
+    p = PM.params.for_gpu("L4")
+    per_layer = weight / (300e9 * p.memory_efficiency) + kv / (300e9 * p.attention_efficiency)
+    assert t == pytest.approx(10 * per_layer + p.step_overhead_ms / 1e3, rel=1e-9)
+
+
+def test_decode_cost_per_sequence_grows_with_context() -> None:
+    """The batch-dependent decode term: each extra sequence adds its KV read, more for longer contexts."""
+    m, node = CAT.model("llama-2-70b"), CAT.node_config("1xA100-40G")
+    short, long = Workload(256, 64), Workload(4096, 64)
+    b = np.array([8.0, 16.0])
+    slope_short = np.diff(PM.layer_time(m, Phase.DECODE, node, b, short))[0]
+    slope_long = np.diff(PM.layer_time(m, Phase.DECODE, node, b, long))[0]
+    kv_per_seq = PM.shape(m).kv_bytes_per_token * (long.decode_context - short.decode_context)
+    p = PM.params.for_gpu("A100-40G")
+    assert slope_long - slope_short == pytest.approx(8 * kv_per_seq / (1555e9 * p.attention_efficiency), rel=1e-9)
+
+
+def test_per_gpu_efficiencies_and_fallbacks() -> None:
+    """Fitted GPUs use their own factors; siblings without measurements borrow them; others use the top level."""
+    p = PM.params
+    assert p.for_gpu("A100-80G") == p.for_gpu("A100-40G")
+    assert p.for_gpu("L4").compute_efficiency == p.gpu_overrides["L4"].compute_efficiency
+    assert p.for_gpu("H100").compute_efficiency == p.compute_efficiency
+    assert all(o.source for o in p.gpu_overrides.values()), "fitted values name their source"
 
 
 def test_tensor_parallel_pays_allreduce_on_pcie_more_than_nvlink() -> None:

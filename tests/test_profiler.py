@@ -1,14 +1,18 @@
-"""The vLLM profiler end to end against a batching stand-in engine on loopback (real HTTP, real processes)."""
+"""The vLLM profiler end to end against a batching stand-in engine on loopback (real HTTP, real processes), the
+CPU command, the shipped CPU profile, and (marked `vllm`) a real run against vLLM's CPU build."""
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-from coral.perf import Phase
-from coral.perf.measured import read_layer_profile
+from coral import vllm_cpu
+from coral.catalog.loader import CoralInputError, builtin_catalog, data_path
+from coral.perf import Phase, Workload
+from coral.perf.measured import MeasuredModel, ProfileSet, read_layer_profile
 from coral.perf.profiler import ProfileSpec, profile, subprocess_launcher, vllm_command
 
 FAKE = Path(__file__).with_name("fake_vllm.py")
@@ -16,11 +20,38 @@ FAKE = Path(__file__).with_name("fake_vllm.py")
 
 def test_vllm_command_truncates_layers_and_uses_dummy_weights() -> None:
     spec = ProfileSpec("Qwen/Qwen3-32B", "2xL40S", tensor_parallel=2)
-    cmd = vllm_command(spec, 4, 8123)
-    assert cmd[:3] == ["vllm", "serve", "Qwen/Qwen3-32B"]
+    cmd, env = vllm_command(spec, 4, 8123)
+    assert cmd[:3] == ["vllm", "serve", "Qwen/Qwen3-32B"] and env == {}
     assert cmd[cmd.index("--hf-overrides") + 1] == '{"num_hidden_layers": 4}'
     assert cmd[cmd.index("--tensor-parallel-size") + 1] == "2"
     assert cmd[cmd.index("--load-format") + 1] == "dummy"
+
+
+def test_cpu_command_runs_the_api_server_with_the_vllm_python() -> None:
+    spec = ProfileSpec("/models/tiny", "1xCPU", tensor_parallel=1)
+    cmd, env = vllm_command(spec, 2, 8123, python="/venv/bin/python")
+    assert cmd[:5] == ["/venv/bin/python", "-m", vllm_cpu.API_SERVER_MODULE, "--model", "/models/tiny"]
+    assert cmd[cmd.index("--hf-overrides") + 1] == '{"num_hidden_layers": 2}'
+    assert "--enforce-eager" in cmd and cmd.count("--max-model-len") == 1
+    assert env == vllm_cpu.cpu_env()
+    with pytest.raises(CoralInputError, match="one process"):
+        vllm_command(ProfileSpec("/models/tiny", "2xCPU", tensor_parallel=2), 2, 8123, python="python")
+
+
+def test_shipped_cpu_profile_loads_in_the_measured_model() -> None:
+    folder = data_path("profiles", "tiny-llama-cpu")
+    pset = ProfileSet.read(folder)
+    assert set(pset.profiles) == {("1xCPU", Phase.PREFILL), ("1xCPU", Phase.DECODE)}
+    assert pset.manifest.model == vllm_cpu.TINY_MODEL and "coral perf profile" in (pset.manifest.source or "")
+    first = (folder / "1xCPU" / "decode_bs2time.csv").read_text().splitlines()[0]
+    assert first == "0,0"  # Helix layout: headerless, starting at batch 0
+    cat = builtin_catalog()
+    model, node = MeasuredModel.from_folder(folder), cat.node_config("1xCPU")
+    arch = cat.model(vllm_cpu.TINY_MODEL)
+    for phase in Phase:
+        prof = pset.profiles[("1xCPU", phase)]
+        t = model.step_time(arch, phase, node, 3, prof.tokens, Workload(512, 32))
+        assert np.allclose(t, 3 * prof.seconds)
 
 
 def test_profile_recovers_per_layer_costs(tmp_path: Path) -> None:
@@ -36,3 +67,25 @@ def test_profile_recovers_per_layer_costs(tmp_path: Path) -> None:
         assert ms == pytest.approx(truth_decode[b], rel=0.3)
     prof = read_layer_profile(tmp_path / "1xL4" / "decode_bs2time.csv")
     assert list(prof.tokens) == [1.0, 8.0]
+    assert (tmp_path / "1xL4" / "prompt_bs2time.csv").read_text().startswith("0,0\n")
+
+
+@pytest.mark.vllm
+def test_profile_runs_for_real_on_vllm_cpu(tmp_path: Path) -> None:
+    """Two real vLLM CPU servers (1 and 2 layers of the tiny model), a couple of batch sizes per phase."""
+    from coral.engine.tiny_model import make_tiny_llama
+
+    python = vllm_cpu.vllm_python()
+    if vllm_cpu.installed_version(python) is None:
+        pytest.skip(f"vLLM is not importable by {python}: `python -m coral.vllm_cpu` installs it")
+    tiny = make_tiny_llama(tmp_path / "tiny", weights=False)
+    spec = ProfileSpec(str(tiny), "1xCPU", 1, layer_counts=(1, 2), prefill_tokens=(64, 128),
+                       decode_batches=(1, 2), prompt_tokens=64, decode_steps=4)
+    rows = profile(spec, subprocess_launcher(spec, ready_timeout=600), tmp_path / "out", vllm_cpu.TINY_MODEL,
+                   "test")
+    pset = ProfileSet.read(tmp_path / "out")
+    assert pset.manifest.model == vllm_cpu.TINY_MODEL and pset.manifest.workload == Workload(64, 4)
+    for phase, batches in ((Phase.PREFILL, spec.prefill_tokens), (Phase.DECODE, spec.decode_batches)):
+        assert [b for b, _ in rows[phase]] == list(batches)
+        assert list(pset.profiles[("1xCPU", phase)].tokens) == list(batches)
+        assert all(ms > 0 for _, ms in rows[phase])

@@ -87,3 +87,36 @@ def test_screenshot_goes_to_artifacts(page: Path) -> None:
     width, height = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
     assert (width, height) == (1400, 2000)
     assert len(data) > 50_000  # a blank page compresses to ~13 kB; the drawn report is far larger
+
+
+def test_slo_verdicts_method_runs_engines_and_time_series_are_drawn(tmp_path: Path) -> None:
+    from coral.report.inputs import MethodResult, TimeSeries
+    from coral.report.view import view_model
+
+    plan = example_plan()
+    inputs = example_inputs().model_copy(update={
+        "overall_attainment": 0.8,
+        "methods": [MethodResult(method="coral", how="plan held fixed", slo_attainment=0.8, by_model={"phi-4": 0.7}),
+                    MethodResult(method="homo", how="plan held fixed", slo_attainment=0.85)],
+        "timeseries": TimeSeries(t_s=[0, 10, 20], bin_s=10, rate={"phi-4": [1, 2, 3]},
+                                 ttft_p99_ms={"phi-4": [100, 5000, None]}, tpot_p99_ms={"phi-4": [20, 30, 40]},
+                                 queue={"phi-4": [0, 4, 1]}),
+        "plan_fingerprint": "0" * 16,
+    })
+    vm = view_model(plan, baselines=[example_baseline()], sim=inputs)
+    path = tmp_path / "report.html"
+    path.write_text(build_report(plan, baselines=[example_baseline()], sim=inputs))
+    dom = run_chromium(path.as_uri(), dump_dom=True)
+    verdicts = [r[k] for r in vm["slo"]["models"] for k in ("ttft_pass", "tpot_pass", "pass") if r[k] is not None]
+    assert dom.count('class="badge pass"') == verdicts.count(True)
+    assert dom.count('class="badge fail"') == verdicts.count(False) + 1  # + the overall verdict (80% < 90%)
+    assert re.search(r'id="slo-overall"[^>]*data-value="0.8"', dom)
+    assert len(re.findall(r'<tr data-method="[^"]+" data-how=', dom)) == 2
+    groups = vm["instance_groups"]
+    assert dom.count(">Coral engine<") == len(groups)
+    assert dom.count(">vLLM<") == sum(g["engines"]["vllm"] for g in groups)
+    assert dom.count(">not stock vLLM<") == sum(not g["engines"]["vllm"] for g in groups)
+    for key in ("rate", "queue", "ttft_p99_ms", "tpot_p99_ms"):
+        assert f'id="ts-{key}"' in dom
+    assert "another plan" in dom  # the fingerprint does not match the plan
+    assert 'id="saving-homo"' in dom and "Where the saving comes from" in dom

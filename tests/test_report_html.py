@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 from rich.console import Console
@@ -112,3 +113,20 @@ def test_progress_bar_counts() -> None:
             bar.advance(task)
     assert bar.tasks[0].completed == 3
     assert "3/3" in console.export_text()
+
+
+def test_cli_warns_when_the_simulation_belongs_to_another_plan(tmp_path: Path) -> None:
+    from coral.report.inputs import ReportInputs
+    from coral.report.view import plan_fingerprint
+
+    plan_path = example_plan().save(tmp_path / "plan.json")
+    sim = tmp_path / "inputs.json"
+    sim.write_text(ReportInputs(plan_fingerprint=plan_fingerprint(example_baseline())).model_dump_json())
+    result = CliRunner().invoke(app, ["report", "--plan", str(plan_path), "--sim", str(sim), "-o",
+                                      str(tmp_path / "r.html"), "-q"])
+    assert result.exit_code == 0, result.output
+    assert "another plan" in result.output and "another plan" in (tmp_path / "r.html").read_text()
+    sim.write_text(ReportInputs(plan_fingerprint=plan_fingerprint(example_plan())).model_dump_json())
+    result = CliRunner().invoke(app, ["report", "--plan", str(plan_path), "--sim", str(sim), "-o",
+                                      str(tmp_path / "r.html"), "-q"])
+    assert "another plan" not in result.output

@@ -250,9 +250,76 @@ def test_inputs_from_a_real_simulation(tmp_path) -> None:
         assert ttft["attainment"] == m.ttft_attainment and ttft["n"] == m.requests
         assert ttft["slo_ms"] == next(s.prefill_slo_ms for s in scenario.models if s.model == m.model)
         assert ttft["points"][-1] == [pytest.approx(m.ttft_ms.max), 1.0]
+    assert inputs.overall_attainment == result.slo_attainment and inputs.scenario == "core"
+    # time series come from the per-request record: every request counted once in the rate bins
+    ts = inputs.timeseries
+    assert ts is not None and len(ts.t_s) == len(ts.rate["phi-4"])
+    assert sum(sum(ts.rate[m.model]) * ts.bin_s for m in result.models) == pytest.approx(result.requests)
+    assert all(q is not None and q >= 0 for m in result.models for q in ts.queue[m.model])
     path = result.save_json(tmp_path / "sim.json")
-    assert load_inputs(path, method="coral") == inputs
+    assert load_inputs(path, method="coral") == inputs.model_copy(update={"timeseries": None})
     # the SimResult object (or its JSON dict) can be handed to the report directly
     direct = view_model(example_plan(), sim=result)
     assert direct["latency"] == view_model(example_plan(), sim=result.model_dump(mode="json"))["latency"]
     assert direct["latency"] == list(charts.values())
+
+
+def test_slo_section_pass_fail_against_the_target() -> None:
+    """Hand-made attainments: pass means at least the target share of requests within the SLO."""
+    inputs = ReportInputs(
+        latency={
+            "a": LatencySeries(ttft_ms=[1.0], slo_ttft_ms=100, slo_tpot_ms=10, ttft_attainment=0.95,
+                               tpot_attainment=0.85, slo_attainment=0.84),
+            "b": LatencySeries(ttft_ms=[50.0, 150.0, 90.0, 80.0], slo_ttft_ms=100),
+        },
+        overall_attainment=0.91,
+    )
+    slo = view_model(example_plan(), sim=inputs)["slo"]
+    rows = {r["model"]: r for r in slo["models"]}
+    assert (rows["a"]["ttft_pass"], rows["a"]["tpot_pass"], rows["a"]["pass"]) == (True, False, False)
+    assert rows["b"]["ttft_attainment"] == 0.75 and rows["b"]["ttft_pass"] is False  # 3 of 4 within 100 ms
+    assert rows["b"]["tpot_pass"] is None and rows["b"]["pass"] is None
+    assert (slo["overall"], slo["overall_pass"], slo["target"]) == (0.91, True, 0.9)
+    assert view_model(example_plan(), sim=inputs, slo_target=0.95)["slo"]["overall_pass"] is False
+
+
+def test_savings_per_model_and_phase_add_up(vm: dict) -> None:
+    plan, base = example_plan(), example_baseline()
+    (sv,) = vm["savings"]
+    assert sv["method"] == base.method
+    assert sum(r["saving"] for r in sv["rows"]) == pytest.approx(base.cost_per_hour - plan.cost_per_hour)
+    assert [r["saving"] for r in sv["rows"]] == sorted((r["saving"] for r in sv["rows"]), reverse=True)
+    top = sv["rows"][0]
+    assert f"{top['model']} {top['phase']}" in sv["text"]
+
+
+def test_engine_badges_follow_stock_vllm(vm: dict) -> None:
+    from coral.deploy.vllm import realisable
+
+    plan = example_plan()
+    for g in vm["instance_groups"]:
+        inst = next(i for i in plan.instances if i.id == g["ids"][0])
+        check = realisable(inst, builtin_catalog().model(inst.model), inst.phase)
+        assert g["engines"] == {"coral": True, "vllm": check.ok, "vllm_reason": check.reason}
+
+
+def test_demand_assumptions_come_from_the_scenario(vm: dict) -> None:
+    from coral.catalog.loader import load_scenario
+
+    sc = load_scenario(example_plan().scenario)
+    assert [d["model"] for d in vm["demand"]] == [m.model for m in sc.models]
+    assert vm["demand"][0]["request_rate"] == sc.models[0].request_rate
+
+
+def test_simulation_of_another_plan_is_flagged() -> None:
+    from coral.report.view import plan_fingerprint
+
+    plan, other = example_plan(), example_baseline()
+    assert plan_fingerprint(plan) != plan_fingerprint(other)
+    assert plan_fingerprint(plan) == plan_fingerprint(plan.model_copy(update={"created_at": "x"}))
+    same = ReportInputs(scenario=plan.scenario, plan_fingerprint=plan_fingerprint(plan))
+    assert view_model(plan, sim=same)["notes"] == []
+    notes = view_model(plan, sim=same.model_copy(update={"plan_fingerprint": plan_fingerprint(other)}))["notes"]
+    assert any("another plan" in n for n in notes)
+    notes = view_model(plan, sim=ReportInputs(scenario="extended"))["notes"]
+    assert any("'extended'" in n for n in notes)

@@ -5,10 +5,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from coral.allocation.plan import Plan
 from coral.cli.main import app
+from coral.report.adapters import load_inputs
+from coral.report.view import plan_fingerprint, view_model
+from coral.simulation.metrics import SimResult
 
 
 def test_coral_run_writes_plans_simulation_and_report(tmp_path: Path) -> None:
@@ -17,11 +21,25 @@ def test_coral_run_writes_plans_simulation_and_report(tmp_path: Path) -> None:
     folder = tmp_path / "run-core"
     summary = json.loads((folder / "summary.json").read_text())
     costs = summary["planned_cost_per_hour"]
-    assert costs["coral"] <= costs["homo"] and costs["coral"] <= costs["cauchy"]
-    assert summary["served_fraction"]["coral"] == 1.0
-    plan = Plan.load(folder / "plan.coral.json")
+    assert costs["coral"] <= costs["homo-greedy"] and costs["coral"] <= costs["cauchy-paper"]
+    assert summary["served_fraction"]["coral"] == pytest.approx(1.0)
+    plan = Plan.load(folder / "plan.cost.coral.json")
     assert abs(sum(i.cost_per_hour for i in plan.instances) - plan.cost_per_hour) < 1e-6
     html = (folder / "report.html").read_text()
     assert "<html" in html and plan.scenario in html
     assert (folder / "sim.json").exists() and (folder / "latency_cdf.png").exists()
     assert (tmp_path / "core.templates.sqlite").exists()
+    # every method's plan is simulated on the same requests, and the report gets them all
+    methods = list(costs)  # coral first, then the baselines
+    inputs = load_inputs(folder / "report-inputs.json")
+    assert [(m.method, m.how) for m in inputs.methods][1:] == [(m, "plan held fixed") for m in methods]
+    assert set(summary["fixed_plan_slo_attainment"]) == set(methods)
+    assert inputs.plan_fingerprint == plan_fingerprint(plan) and inputs.timeseries is not None
+    for method in methods:
+        sim = SimResult.load_json(folder / f"sim.fixed.{method}.json")
+        assert sim.plan_fingerprint == plan_fingerprint(Plan.load(folder / f"plan.cost.{method}.json"))
+    vm = view_model(plan, sim=inputs)
+    assert not vm["notes"] and vm["slo"]["overall"] == inputs.overall_attainment
+    other = Plan.load(folder / f"plan.cost.{methods[1]}.json")
+    if plan_fingerprint(other) != plan_fingerprint(plan):
+        assert any("another plan" in n for n in view_model(other, sim=inputs)["notes"])

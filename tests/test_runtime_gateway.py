@@ -402,3 +402,84 @@ def test_emulated_prefill_batches_waiting_prompts():
         assert asyncio.run(run()) == [200] * 6
         st = s.state("d0")
         assert st.prefills == 6 and 1 <= st.prefill_steps < 6
+
+
+def test_upstream_keepalive_survives_engine_restart_on_the_same_port():
+    """The gateway's pooled connection to an engine dies with the engine; a request after the restart is sent
+    again on a new connection instead of failing."""
+    with stack() as s:
+        srv = s.engine("d0", "m", "decode", 1.0, FAST)
+        url = f"{s.gateway.url}/v1/chat/completions"
+        assert httpx.post(url, json=chat(), timeout=10).status_code == 200
+        assert s.gw.http.idle  # the connection was kept alive
+        srv.stop()
+        s.engines["d0"] = ServerThread(create_engine_app("d0", "m", "decode", FAST), port=srv.port).start()
+        for stream in (False, True):
+            r = httpx.post(url, json=chat(stream=stream), timeout=10)
+            assert r.status_code == 200 and r.headers["x-coral-instance"] == "d0"
+        assert s.registry.get("d0").failed == 0  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(
+    ("answer", "body", "reusable"),
+    [
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhello", b"hello", True),
+        (
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3;x=1\r\nhel\r\n2\r\nlo\r\n0\r\nT: 1\r\n\r\n",
+            b"hello",
+            True,
+        ),
+        (b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\nhello", b"hello", False),
+        (b"HTTP/1.1 204 No Content\r\n\r\n", b"", True),
+    ],
+)
+def test_http1_pool_reads_each_body_framing(answer, body, reusable):
+    from coral.runtime.http1 import Http1Pool
+
+    async def run() -> tuple[int, bytes, int]:
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            head = await reader.readuntil(b"\r\n\r\n")
+            n = int(
+                next(h for h in head.split(b"\r\n") if h.lower().startswith(b"content-length")).split(b":")[1]
+            )
+            await reader.readexactly(n)
+            writer.write(answer)
+            await writer.drain()
+            if b"close" in answer:
+                writer.close()
+
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        pool = Http1Pool(1.0, 2.0)
+        resp = await pool.post(f"http://127.0.0.1:{port}", "/x", b"{}", {})
+        data = b"".join([c async for c in resp.aiter_raw()])
+        await resp.aclose()
+        idle = sum(len(v) for v in pool.idle.values())
+        await pool.aclose()
+        server.close()
+        return resp.status_code, data, idle
+
+    status, data, idle = asyncio.run(run())
+    assert data == body and status in (200, 204) and idle == (1 if reusable else 0)
+
+
+def test_http1_pool_raises_oserror_on_garbage_and_refused_connections():
+    from coral.runtime.http1 import Http1Pool, UpstreamConnectionError
+
+    async def run() -> None:
+        async def handle(_r: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            writer.write(b"NOT HTTP\r\n\r\n")
+            await writer.drain()
+            writer.close()
+
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        pool = Http1Pool(1.0, 2.0)
+        with pytest.raises(UpstreamConnectionError):
+            await pool.post(f"http://127.0.0.1:{port}", "/x", b"{}", {})
+        server.close()
+        await server.wait_closed()
+        with pytest.raises(OSError):
+            await pool.post(f"http://127.0.0.1:{port}", "/x", b"{}", {})
+
+    asyncio.run(run())

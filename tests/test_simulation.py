@@ -134,7 +134,7 @@ def test_light_load_reproduces_perf_model(n_stages: int) -> None:
 
 
 @pytest.mark.parametrize("stages", [[(40, ["1xL40S"])], [(16, ["1xL4"]), (24, ["1xL40S"])],
-                                    [(20, ["1xL40S"]), (20, ["1xL4", "1xL4"])]])
+                                    [(28, ["1xL40S"]), (12, ["1xL4", "1xL4"])]])
 def test_prefill_saturates_at_planned_capacity(stages: list[tuple[int, list[str]]]) -> None:
     """Offered 2x the prefill capacity, first tokens come out at the planned prefill tokens/s (the slowest
     stage's; chunks flow down the pipeline)."""
@@ -191,7 +191,7 @@ def test_decode_saturates_at_planned_capacity(stages: list[tuple[int, list[str]]
 def test_pipeline_runs_one_batch_through_all_stages() -> None:
     """Every sequence passes every stage, so a pipeline's micro-batch is capped by its smallest stage and the
     other stages run that batch too: qwen3-32b on [19 layers 1xL40S, 45 1xH100] delivers K / (2 x the L40S's
-    step at K) with K the H100's cap (~2450 tokens/s), not the per-stage figure min(4289, 3850) the templates
+    step at K) with K the H100's cap (~2150 tokens/s), not the per-stage figure min(4289, 3850) the templates
     rate it at (the L40S's 4289 needs its own batch of 190 per micro-batch)."""
     from coral.simulation.kernels import decode_step
 
@@ -218,7 +218,7 @@ def test_pipeline_runs_one_batch_through_all_stages() -> None:
     done = res.per_request()["done_s"]
     a, b = 50.0, dur
     assert (out - 1) * ((done >= a) & (done < b)).sum() / (b - a) == pytest.approx(expect, rel=0.03)
-    assert 2300 < expect < 2600
+    assert 2000 < expect < 2300  # ~2150 with the calibrated perf defaults
 
 
 @pytest.mark.parametrize("kv_reserve", ["mean", "max"])
@@ -359,7 +359,7 @@ def test_full_dp_node_does_not_hold_up_the_others() -> None:
     after WRR's share for the small node exceeds its room (the node is chosen at admission, not at routing)."""
     dec = instance("phi-4", "decode", [(40, ["1xL40S", "4xL40S"])])
     kc = KernelCache(SC, CAT, PM)
-    inp, out = 3000, 400
+    inp, out = 8000, 400  # long prompts: the small node's KV room, not its batch cap, binds
     kerns = [kc.kernel("phi-4", "decode", c, 40, 1) for c in dec.stages[0].nodes]
     room = [min(k.cap, int(k.kv_tokens // (inp + out / 2))) for k in kerns]
     thr = dec.stages[0].node_throughput

@@ -9,23 +9,38 @@ import pytest
 
 from coral.catalog.loader import CoralInputError, data_path, load_scenario
 from coral.simulation import load_availability, load_azure, load_burstgpt, rescale, synthetic, workload_for
-from coral.simulation.traces import SAMPLES, generate_samples, load_trace, sample_path, tile, write_azure
+from coral.simulation.traces import (
+    SHIPPED_TRACES,
+    generate_burstgpt_sample,
+    load_trace,
+    shipped_path,
+    tile,
+    write_azure,
+)
 
 SC = load_scenario("core")
 EXPECTED = {"azure-code": (2048, 28), "azure-conversation": (1155, 211), "burstgpt": (611, 123)}
 
 
-def test_shipped_samples_regenerate_byte_for_byte(tmp_path: Path) -> None:
-    for p in generate_samples(tmp_path):
-        assert p.read_bytes() == data_path("traces", p.name).read_bytes(), p.name
+def test_burstgpt_sample_regenerates_byte_for_byte(tmp_path: Path) -> None:
+    p = generate_burstgpt_sample(tmp_path)
+    assert p.read_bytes() == shipped_path("burstgpt").read_bytes()
     assert data_path("traces", "README.md").exists()
 
 
-@pytest.mark.parametrize("trace", sorted(SAMPLES))
-def test_samples_match_the_scenario_means(trace: str) -> None:
-    reqs = load_trace(sample_path(trace))
+def test_real_azure_traces_ship_with_licence_and_attribution() -> None:
+    folder = shipped_path("azure-code").parent
+    assert "Attribution 4.0 International" in (folder / "LICENSE").read_text(encoding="utf-8-sig")
+    readme = (folder / "README.md").read_text()
+    assert "Splitwise" in readme and "CC-BY 4.0" in readme and "b469a113" in readme
+    assert len(load_trace(shipped_path("azure-code"))) == 8819
+    assert len(load_trace(shipped_path("azure-conversation"))) == 19366
+
+
+@pytest.mark.parametrize("trace", sorted(SHIPPED_TRACES))
+def test_shipped_traces_match_the_scenario_means(trace: str) -> None:
+    reqs = load_trace(shipped_path(trace))
     mi, mo = EXPECTED[trace]
-    assert 1900 <= len(reqs) <= 2000
     assert reqs.input_tokens.mean() == pytest.approx(mi, rel=0.02)
     assert reqs.output_tokens.mean() == pytest.approx(mo, rel=0.02)
     assert (np.diff(reqs.arrival_s) >= 0).all() and reqs.arrival_s[0] == 0
@@ -88,7 +103,7 @@ def test_bad_trace_files_name_the_problem(tmp_path: Path) -> None:
 
 
 def test_rescale_and_tile_keep_the_target_rate() -> None:
-    base = load_trace(sample_path("burstgpt"))
+    base = load_trace(shipped_path("burstgpt"))
     fast = rescale(base, 25.0)
     assert fast.rate == pytest.approx(25.0)
     assert (fast.input_tokens == base.input_tokens).all()
@@ -117,14 +132,29 @@ def test_synthetic_statistics_and_seed(arrival: str, cv: float) -> None:
 
 
 def test_workload_for_scenario() -> None:
-    """Each full pass over a sample holds all its rows, so long runs hit the scenario's rate."""
-    w = workload_for(SC, 1000, seed=2)
+    """Each full pass over a shipped trace holds all its rows, so long runs (many passes of the bursty real
+    traces) hit the scenario's rate."""
+    duration = 20_000.0
+    w = workload_for(SC, duration, seed=2)
     assert set(w) == {m.model for m in SC.models}
     for sm in SC.models:
-        assert len(w[sm.model]) == pytest.approx(sm.request_rate * 1000, rel=0.02)
-    half = workload_for(SC, 1000, seed=2, rate_scale=0.5)
-    assert len(half["phi-4"]) == pytest.approx(len(w["phi-4"]) / 2, rel=0.02)
+        assert len(w[sm.model]) == pytest.approx(sm.request_rate * duration, rel=0.03)
+    half = workload_for(SC, duration, seed=2, rate_scale=0.5)
+    assert len(half["phi-4"]) == pytest.approx(len(w["phi-4"]) / 2, rel=0.03)
     assert (workload_for(SC, 1000, seed=3)["phi-4"].input_tokens[:50] != w["phi-4"].input_tokens[:50]).any()
+
+
+def test_trace_option_takes_files_and_shipped_trace_names(tmp_path: Path) -> None:
+    from coral.cli.simulate import parse_traces
+
+    models = [m.model for m in SC.models]
+    f = tmp_path / "t.csv"
+    f.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n1,2,3\n")
+    got = parse_traces(["gpt-oss-20b=azure-conversation", f"phi-4={f}"], models)
+    assert got == {"gpt-oss-20b": shipped_path("azure-conversation"), "phi-4": f}
+    assert parse_traces(["azure-code"], models) == dict.fromkeys(models, shipped_path("azure-code"))
+    with pytest.raises(CoralInputError, match="not a model"):
+        parse_traces(["llama=azure-code"], models)
 
 
 def test_workload_unknown_trace_is_refused() -> None:

@@ -11,6 +11,7 @@ from typing import Literal
 import numpy as np
 
 from coral.allocation import core, solver
+from coral.allocation.classes import KeyClasses, key_classes
 from coral.allocation.demand import DemandKey, scenario_demand
 from coral.allocation.plan import Plan, SolveReport
 from coral.catalog.loader import Catalog, CoralInputError, builtin_catalog
@@ -44,6 +45,7 @@ class _Context:
     penalty_k: float | None
     cols: core.Columns
     reduce: bool
+    classes: dict[int, KeyClasses]
 
 
 def _keys_and_demand(scenario: Scenario, demand: Mapping[DemandKey, float] | None) -> tuple[list[DemandKey], np.ndarray]:
@@ -77,9 +79,16 @@ def _context(library: TemplateLibrary, scenario: Scenario, demand: Mapping[Deman
     prio = {sm.model: sm.priority for sm in scenario.models}
     w = np.array([prio.get(m, 1.0) for m, _ in keys], dtype=float)
     w = w / w.max() if len(w) else w
-    cols = core.make_columns(library, keys, market, dem, run, reduce=reduce)
+    models = {sm.model: sm for sm in scenario.models}
+    classes: dict[int, KeyClasses] = {}
+    for k, (m, p) in enumerate(keys):
+        if dem[k] > 0 and m in models:
+            kc = key_classes(library, models[m], p, *core.key_rows(library, m, str(p), False), catalog)
+            if kc is not None:
+                classes[k] = kc
+    cols = core.make_columns(library, keys, market, dem, run, reduce=reduce, classes=classes)
     return _Context(library, scenario, keys, dem, w, market, run, scenario.init_penalty_k if running is not None
-                    else None, cols, reduce)
+                    else None, cols, reduce, classes)
 
 
 def _solve_cost(ctx: _Context, target_scale: float, weights: np.ndarray | None, time_limit: float,
@@ -99,10 +108,28 @@ def _solve_maxmin(ctx: _Context, weights: np.ndarray, time_limit: float, gap: fl
     assert layout.t_col is not None
     t = float(out.x[layout.t_col]) if out.x is not None else 0.0
     if out.x is not None:
-        cap = np.bincount(ctx.cols.key, ctx.cols.throughput * np.round(out.x[:layout.n_x]), minlength=len(ctx.demand))
+        cap = _capacity(ctx, layout, out.x)
         pos = (ctx.demand > 0)
         t = float(min(1.0, (cap[pos] / (ctx.demand[pos] * weights[pos])).min(initial=1.0)))
     return out, layout, t
+
+
+def _capacity(ctx: _Context, layout: core.Layout, x: np.ndarray) -> np.ndarray:
+    """Tokens/s each key's instances serve in a solution (rounded instance counts); for a key with classes, its
+    demand × the least served fraction over its classes (shares capped by the rounded instances)."""
+    nu = np.round(x[:layout.n_x])
+    cap = np.bincount(ctx.cols.key, ctx.cols.throughput * nu, minlength=len(ctx.demand))
+    if len(layout.share_parent) and ctx.cols.class_thr is not None:
+        j, c = layout.share_parent, layout.share_class
+        share = np.maximum(x[layout.share_start:], 0.0)
+        used = np.bincount(j, share, minlength=layout.n_x)
+        share = share * np.minimum(1.0, nu[j] / np.where(used[j] > 0, used[j], 1.0))
+        served = np.zeros((len(ctx.demand), ctx.cols.class_thr.shape[1]))
+        np.add.at(served, (ctx.cols.key[j], c), ctx.cols.class_thr[j, c] * share)
+        for k in ctx.cols.split:
+            need = ctx.demand[k] * ctx.cols.split[k]
+            cap[k] = ctx.demand[k] * float((served[k, :len(need)] / need).min()) if ctx.demand[k] > 0 else 0.0
+    return cap
 
 
 def _report(ctx: _Context, out: solver.Outcome, extra_time: float = 0.0, notes: list[str] | None = None
@@ -119,9 +146,10 @@ def _plan(ctx: _Context, out: solver.Outcome, layout: core.Layout, mode: str, re
     assert out.x is not None
     x = np.round(out.x[:layout.n_x]).astype(int)
     chosen = [(int(ctx.cols.template[j]), int(ctx.cols.region[j]), int(x[j])) for j in np.flatnonzero(x > 0)]
+    cap = _capacity(ctx, layout, out.x)
     return core.build_plan(ctx.library, ctx.scenario, ctx.keys, ctx.demand, ctx.market, chosen, method=method,
                            mode=mode, report=report, running=ctx.running, penalty_k=ctx.penalty_k,
-                           demand_scale=scale)
+                           demand_scale=scale, capacity={ctx.keys[k]: float(cap[k]) for k in ctx.classes})
 
 
 def diagnose(ctx: _Context, out: solver.Outcome, layout: core.Layout, t: float) -> InfeasibleDemand:
@@ -132,12 +160,13 @@ def diagnose(ctx: _Context, out: solver.Outcome, layout: core.Layout, t: float) 
     models: list[DemandKey] = []
     configs: list[tuple[str, str]] = []
     if out.row_dual is not None:
-        models = [ctx.keys[k] for k, r in layout.demand_rows.items() if out.row_dual[r] > tol]
+        rows = {**{k: [r] for k, r in layout.demand_rows.items()}, **layout.class_rows}
+        models = [ctx.keys[k] for k, rs in sorted(rows.items()) if (out.row_dual[rs] > tol).any()]
         configs = [(ctx.market.regions[r], ctx.market.configs[c])
-                   for i, (r, c) in enumerate(layout.avail_rows) if out.row_dual[len(layout.demand_rows) + i] < -tol]
+                   for i, (r, c) in enumerate(layout.avail_rows) if out.row_dual[layout.avail_row0 + i] < -tol]
     if (not models or not configs) and out.x is not None:
         x = np.round(out.x[:layout.n_x])
-        cap = np.bincount(ctx.cols.key, ctx.cols.throughput * x, minlength=len(ctx.demand))
+        cap = _capacity(ctx, layout, out.x)
         models = models or [ctx.keys[k] for k in range(len(ctx.keys)) if ctx.demand[k] > 0 and cap[k] < ctx.demand[k]]
         used = np.zeros_like(ctx.market.avail)
         np.add.at(used, ctx.cols.region, ctx.cols.counts * x[:, None])

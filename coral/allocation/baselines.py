@@ -1,25 +1,37 @@
-"""Baselines on the same library, perf model and market as Coral.
+"""Baselines on the same library, perf model and market as Coral (paper §6.1, "Baselines").
 
-* Homo: every replica on homogeneous hardware (templates with a single node config). Per (model, phase), in
-  the scenario's model order, greedily add the instance with the least $ per useful token/s, respecting what
-  earlier models already took of the availability; demand that cannot be met stays unserved.
-* Cauchy-style: prefill and decode each on homogeneous hardware, combined in *units* of one prefill replica
-  feeding k decode replicas in one region (1 ≤ k ≤ MAX_DECODE_PER_PREFILL, every replica adding throughput). A
-  unit serves min(T_p/I, k·T_d/O) requests/s. Per model and region the UNITS_PER_REGION units with the best
-  requests/s per $ are candidates (per-model cost efficiency); an ILP picks integer unit counts to meet every model's request
-  rate under availability at least cost (unmet rate is allowed at a prohibitive price so scarcity degrades).
+Every baseline uses only *homogeneous* templates: all nodes of a replica are one node config (e.g. 2x 4xL40S);
+different replicas may use different configs.
+
+* ``homo-greedy`` (the paper's Homo, literally): per (model, phase), in the scenario's model order and prefill
+  before decode, rank the homogeneous (template, region) strategies by goodput per USD (SLO tokens/s per $/h) and
+  replicate the best one until demand is met; when availability (after what earlier keys took) runs out, move to
+  the next best. No cross-model coordination; demand that cannot be met stays unserved.
+* ``cauchy-paper`` (the paper's adaptation of Cauchy, SoCC'25): per model, a "GPU combo" *unit* is one prefill
+  replica feeding k decode replicas in one region (1 ≤ k ≤ MAX_DECODE_PER_PREFILL, each phase homogeneous, every
+  decode replica adding throughput). A unit serves min(T_p/I, k·T_d/O) requests/s (I, O: mean input/output
+  tokens). As Cauchy's abstract puts it, it "works out the top performers of cost efficiency as GPU Combo
+  candidates, and deploys a set of combos to satisfy QoS". Assumptions (neither paper gives more detail): per-model
+  cost efficiency (requests/s per $/h) enters through candidate selection, the UNITS_PER_REGION most
+  cost-efficient units per model and region; an ILP then picks integer unit counts meeting every model's request
+  rate under availability at least cost (unmet rate costs a prohibitive price, so scarcity degrades instead of
+  failing). Prefill and decode of a unit share a region; the request rate planned is max(D_p/I, D_d/O).
+* ``homo-ilp`` (the strongest homogeneous baseline): Coral's own allocation ILP (cross-model optimisation,
+  availability, scarcity modes) restricted to homogeneous templates. Coral's template set is a superset, so
+  Coral's optimum is never dearer; the gap between the two is what heterogeneity inside a replica buys.
 * Mélange-style: for one model, the GPU-mix ILP over single-node configurations (min Σ price·x with
   Σ throughput·x ≥ demand per phase and x within availability); a special-case check of the allocator.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 
 import numpy as np
 
 from coral.allocation import core, milp
-from coral.allocation.allocator import UNLIMITED, _keys_and_demand
+from coral.allocation.allocator import UNLIMITED, Mode, _keys_and_demand, allocate
 from coral.allocation.demand import DemandKey
 from coral.allocation.plan import Plan, SolveReport
 from coral.catalog.loader import Catalog, CoralInputError, builtin_catalog
@@ -46,27 +58,70 @@ def _setup(library: TemplateLibrary, scenario: Scenario, demand: Mapping[DemandK
     return keys, dem, core.make_market(library, scenario, catalog, avail)
 
 
-def homo(library: TemplateLibrary, scenario: Scenario, *, demand: Mapping[DemandKey, float] | None = None,
-         availability: core.Availability | str | None = None, catalog: Catalog | None = None) -> Plan:
-    """The Homo baseline (module doc)."""
-    import time
-
+def homo_greedy(library: TemplateLibrary, scenario: Scenario, *, demand: Mapping[DemandKey, float] | None = None,
+                availability: core.Availability | str | None = None, catalog: Catalog | None = None) -> Plan:
+    """The paper's Homo baseline (module doc): per (model, phase), replicate the homogeneous strategy with the
+    highest goodput per USD, falling back to the next best when availability runs out."""
     t0 = time.perf_counter()
     keys, dem, market = _setup(library, scenario, demand, availability, catalog)
     cols = core.make_columns(library, keys, market, dem, {}, homogeneous=True)
-    x = core.greedy(cols, market, dem, order=list(range(len(keys))), partial=True)
-    assert x is not None
+    x = np.zeros(len(cols), dtype=np.int64)
+    used = np.zeros_like(market.avail)
+    for k in range(len(keys)):
+        residual = float(dem[k])
+        idx = np.flatnonzero(cols.key == k)
+        for j in idx[np.lexsort((cols.template[idx], -cols.throughput[idx] / cols.cost[idx]))]:
+            if residual <= 1e-9 * max(1.0, float(dem[k])):
+                break
+            with np.errstate(divide="ignore"):
+                room = np.where(cols.counts[j] > 0, (market.avail[cols.region[j]] - used[cols.region[j]])
+                                / np.maximum(cols.counts[j], 1), np.inf).min()
+            n = int(min(np.ceil(residual / cols.throughput[j] - 1e-9), room))
+            if n > 0:
+                x[j] += n
+                used[cols.region[j]] += n * cols.counts[j]
+                residual -= n * float(cols.throughput[j])
     chosen = [(int(cols.template[j]), int(cols.region[j]), int(x[j])) for j in np.flatnonzero(x > 0)]
     report = SolveReport(status="greedy", objective=float(cols.cost @ x), time_s=time.perf_counter() - t0,
                          n_variables=len(cols))
-    return core.build_plan(library, scenario, keys, dem, market, chosen, method="homo", mode="cost",
+    return core.build_plan(library, scenario, keys, dem, market, chosen, method="homo-greedy", mode="cost",
                            report=report, running={}, penalty_k=None)
 
 
-def cauchy(library: TemplateLibrary, scenario: Scenario, *, demand: Mapping[DemandKey, float] | None = None,
+def homogeneous_rows(library: TemplateLibrary) -> np.ndarray:
+    """Template rows whose nodes all have one config."""
+    return np.flatnonzero((library.counts > 0).sum(axis=1) == 1)
+
+
+def homo_ilp(library: TemplateLibrary, scenario: Scenario, *, demand: Mapping[DemandKey, float] | None = None,
+             availability: core.Availability | str | None = None, catalog: Catalog | None = None,
+             mode: Mode = "cost", time_limit: float = 30.0, gap: float = 1e-4) -> Plan:
+    """Coral's allocation ILP over the homogeneous templates only (module doc); raises `InfeasibleDemand` like
+    `allocate` in cost mode. Availability defaults to the scenario's, resolved with the full library."""
+    from coral.allocation.availability import resolve_availability
+
+    catalog = catalog or builtin_catalog()
+    if availability is None:
+        availability = resolve_availability(scenario, library, catalog)
+    rows = homogeneous_rows(library)
+    sub = allocate(library.subset(rows), scenario, demand=demand, availability=availability, catalog=catalog,
+                   mode=mode, time_limit=time_limit, gap=gap, method="homo-ilp")
+    keys, dem, market = _setup(library, scenario, demand, availability, catalog)
+    region = {r: i for i, r in enumerate(market.regions)}
+    tally: dict[tuple[int, int], int] = {}
+    for inst in sub.instances:
+        key = (int(rows[inst.template_id]), region[inst.region])
+        tally[key] = tally.get(key, 0) + 1
+    capacity = {(s.model, Phase(s.phase)): s.capacity for s in sub.serving}  # class-aware, as the allocator's
+    return core.build_plan(library, scenario, keys, dem, market, [(t, r, n) for (t, r), n in tally.items()],
+                           method="homo-ilp", mode=sub.mode, report=sub.solve, running={}, penalty_k=None,
+                           demand_scale=sub.demand_scale, capacity=capacity)
+
+
+def cauchy_paper(library: TemplateLibrary, scenario: Scenario, *, demand: Mapping[DemandKey, float] | None = None,
            availability: core.Availability | str | None = None, catalog: Catalog | None = None,
            time_limit: float = 30.0, gap: float = 1e-4) -> Plan:
-    """The Cauchy-style baseline (module doc). Demand is taken per model from the prefill/decode token rates."""
+    """The paper's Cauchy adaptation (module doc). Demand is taken per model from the prefill/decode token rates."""
     keys, dem, market = _setup(library, scenario, demand, availability, catalog)
     cols = core.make_columns(library, keys, market, dem, {}, homogeneous=True)
     shape = {sm.model: (sm.mean_input_tokens, sm.mean_output_tokens) for sm in scenario.models}
@@ -135,7 +190,7 @@ def cauchy(library: TemplateLibrary, scenario: Scenario, *, demand: Mapping[Dema
                          n_variables=res.n_cols, n_constraints=res.n_rows,
                          notes=[f"{n_u} candidate units (prefill + k decode replicas)"])
     return core.build_plan(library, scenario, keys, dem, market, [(t, r, n) for (t, r), n in chosen.items()],
-                           method="cauchy", mode="cost", report=report, running={}, penalty_k=None)
+                           method="cauchy-paper", mode="cost", report=report, running={}, penalty_k=None)
 
 
 def melange(library: TemplateLibrary, scenario: Scenario, model: str, *,

@@ -6,14 +6,15 @@ from __future__ import annotations
 import math
 import weakref
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 import numpy as np
 
+from coral.allocation.classes import KeyClasses
 from coral.allocation.demand import DemandKey
 from coral.allocation.plan import ModelServing, Plan, PlanInstance, SolveReport
-from coral.allocation.reductions import undominated
+from coral.allocation.reductions import pareto_columns, undominated
 from coral.allocation.solver import Problem
 from coral.catalog.loader import Catalog, CoralInputError
 from coral.catalog.schema import Scenario
@@ -63,7 +64,10 @@ def make_market(library: TemplateLibrary, scenario: Scenario, catalog: Catalog,
 
 @dataclass
 class Columns:
-    """Candidate (template, region) pairs with what the MILP needs of each."""
+    """Candidate (template, region) pairs with what the MILP needs of each. For a key planned with request
+    classes, `class_thr[j]` holds column j's tokens/s per class (zero-padded), `split[key]` each class's fraction
+    of the key's demand, and `throughput` the rating of the key's class mix in proportion to demand,
+    1 / Σ_c split_c / T_c (0 when a class cannot run on the template)."""
 
     template: np.ndarray
     region: np.ndarray
@@ -74,6 +78,8 @@ class Columns:
     running: np.ndarray
     upper: np.ndarray
     dropped: int = 0
+    class_thr: np.ndarray | None = None
+    split: dict[int, np.ndarray] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.template)
@@ -122,10 +128,12 @@ def make_columns(
     *,
     reduce: bool = True,
     homogeneous: bool = False,
+    classes: Mapping[int, KeyClasses] | None = None,
 ) -> Columns:
     """Columns for every key with positive demand. With `reduce`, dominated templates (see reductions) and
     columns that cannot be used once are dropped; running columns are always kept. `homogeneous` keeps only
-    single-config templates (the baselines)."""
+    single-config templates (the baselines). `classes`: keys planned with request classes (by key index)."""
+    classes = classes or {}
     region_idx = {r: i for i, r in enumerate(market.regions)}
     run_pairs: dict[int, set[int]] = {}
     for (t, reg_name), _n in running.items():
@@ -138,6 +146,8 @@ def make_columns(
         if demand[k] <= 0:
             continue
         usable, kept = key_rows(library, model, str(phase_), homogeneous)
+        if k in classes:
+            kept = classes[k].kept
         total += len(usable) * len(market.regions)
         rows = usable
         if reduce:
@@ -161,14 +171,41 @@ def make_columns(
     price = np.where(np.isfinite(market.price), market.price, 0.0)
     cost = (counts * price[region]).sum(axis=1)
     thr = library.throughput[template].astype(float)
+    class_thr = None
+    split: dict[int, np.ndarray] = {}
+    if classes:
+        width = max(len(kc.classes) for kc in classes.values())
+        class_thr = np.zeros((len(template), width))
+        for k, kc in classes.items():
+            on = key == k
+            class_thr[on, :len(kc.classes)] = kc.rating_of(template[on])
+            split[k] = kc.split
+            with np.errstate(divide="ignore"):
+                inv = (kc.split / class_thr[on, :len(kc.classes)]).sum(axis=1)
+            thr[on] = np.where(np.isfinite(inv) & (inv > 0), 1.0 / inv, 0.0)
     run = np.zeros(len(template))
     for (t, reg), n in running.items():
         run[(template == t) & (region == region_idx[reg])] = n
     with np.errstate(divide="ignore", invalid="ignore"):
         cap = np.where(counts > 0, np.floor(market.avail[region] / np.maximum(counts, 1)), np.inf).min(axis=1)
-    need = np.ceil(demand[key] / thr - 1e-9) if len(key) else np.zeros(0)
+    with np.errstate(divide="ignore"):
+        need = np.ceil(demand[key] / thr - 1e-9) if len(key) else np.zeros(0)
+        for k in split:  # an instance is useless past serving all of the classes it can run
+            on = key == k
+            ct = class_thr[on, :len(split[k])] if class_thr is not None else np.zeros((0, 0))
+            need[on] = np.ceil((demand[k] * split[k] / np.where(ct > 0, ct, np.inf)).sum(axis=1) - 1e-9)
     upper = np.minimum(cap, need)
-    return Columns(template, region, key, thr, cost, counts, run, upper, dropped=total - len(template))
+    cols = Columns(template, region, key, thr, cost, counts, run, upper, dropped=total - len(template),
+                   class_thr=class_thr, split=split)
+    if not reduce or not len(template):
+        return cols
+    usage = np.where(np.isfinite(market.avail[region]), counts, 0)  # scarce nodes, compared within one region
+    ratings = thr[:, None] if class_thr is None else np.where(np.isin(key, list(split))[:, None], class_thr,
+                                                               thr[:, None])
+    alive = pareto_columns(key * len(market.regions) + region, cost, ratings, usage, run > 0)
+    return Columns(template[alive], region[alive], key[alive], thr[alive], cost[alive], counts[alive], run[alive],
+                   upper[alive], dropped=total - int(alive.sum()),
+                   class_thr=None if class_thr is None else class_thr[alive], split=split)
 
 
 @dataclass
@@ -178,9 +215,14 @@ class Layout:
     n_x: int
     penalty_of: np.ndarray  # column index of I_j for every running x column j
     t_col: int | None
-    demand_rows: dict[int, int]
+    demand_rows: dict[int, int]  # key -> row (keys without classes)
     avail_rows: list[tuple[int, int]]
     n_vars: int
+    class_rows: dict[int, list[int]] = field(default_factory=dict)  # key -> one row per class
+    avail_row0: int = 0
+    share_start: int = 0  # share variables s (column j, class c) from here on
+    share_parent: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    share_class: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
 
 
 def assemble(
@@ -194,7 +236,10 @@ def assemble(
 ) -> tuple[Problem, Layout]:
     """The MILP of `cols`. Cost objective unless `maxmin_weights` is given (then max t with capacity ≥ t·w·D).
     `min_fraction` requires capacity ≥ min_fraction·w·D in the cost objective (the goodput mode's second
-    stage); `penalty_k` None disables the scale-up penalty."""
+    stage); `penalty_k` None disables the scale-up penalty.
+
+    A key with request classes (`cols.split`) has one demand row per class, and every column j of it a share
+    variable s_jc ≥ 0 per class it can run (T_jc > 0): Σ_c s_jc ≤ x_j and Σ_j T_jc s_jc ≥ split_c·D."""
     n = len(cols)
     maxmin = maxmin_weights is not None
     weights = maxmin_weights if maxmin_weights is not None else np.ones(len(demand))
@@ -202,35 +247,57 @@ def assemble(
     running = np.flatnonzero(cols.running > 0) if k_pen > 0 and not maxmin else np.zeros(0, dtype=np.int64)
     n_pen = len(running)
     keys = [k for k in range(len(demand)) if demand[k] > 0]
+    items = [(k, c) for k in keys for c in (range(len(cols.split[k])) if k in cols.split else [-1])]
     t_col = n + n_pen if maxmin else None
-    n_slack = 0 if maxmin else len(keys)
-    n_vars = n + n_pen + (1 if maxmin else 0) + n_slack
+    n_slack = 0 if maxmin else len(items)
+    share_start = n + n_pen + (1 if maxmin else 0) + n_slack
+    on_class = np.isin(cols.key, list(cols.split)) if cols.split else np.zeros(n, dtype=bool)
+    if cols.class_thr is not None:
+        share_parent, share_class = np.nonzero((cols.class_thr > 0) & on_class[:, None])
+    else:
+        share_parent = share_class = np.zeros(0, dtype=np.int64)
+    n_vars = share_start + len(share_parent)
     er: list[np.ndarray] = []
     ec: list[np.ndarray] = []
     ev: list[np.ndarray] = []
     lower: list[float] = []
     upper: list[float] = []
     demand_rows: dict[int, int] = {}
+    class_rows: dict[int, list[int]] = {}
     target = demand * weights * (min_fraction if min_fraction is not None else 1.0)
-    big = 1e6 * float(max((cols.cost / cols.throughput).max(initial=1.0), 1.0))
-    for i, k in enumerate(keys):
+    rating = np.where(cols.throughput > 0, cols.throughput, np.inf)
+    if cols.class_thr is not None:
+        rating = np.minimum(rating, np.where(cols.class_thr > 0, cols.class_thr, np.inf).min(axis=1))
+    big = 1e6 * float(max((cols.cost / rating).max(initial=1.0), 1.0))
+    item_target: list[float] = []
+    for i, (k, c) in enumerate(items):
         r = len(lower)
-        demand_rows[k] = r
-        members = np.flatnonzero(cols.key == k)
-        er.append(np.full(len(members), r))
-        ec.append(members)
-        ev.append(cols.throughput[members])
+        frac = 1.0 if c < 0 else float(cols.split[k][c])
+        if c < 0:
+            demand_rows[k] = r
+            members = np.flatnonzero(cols.key == k)
+            er.append(np.full(len(members), r))
+            ec.append(members)
+            ev.append(cols.throughput[members])
+        else:
+            class_rows.setdefault(k, []).append(r)
+            sh = np.flatnonzero((cols.key[share_parent] == k) & (share_class == c))
+            er.append(np.full(len(sh), r))
+            ec.append(share_start + sh)
+            ev.append(cols.class_thr[share_parent[sh], c] if cols.class_thr is not None else np.zeros(0))
         if maxmin:
             er.append(np.array([r]))
             ec.append(np.array([t_col]))
-            ev.append(np.array([-demand[k] * weights[k]]))
+            ev.append(np.array([-demand[k] * weights[k] * frac]))
             lower.append(0.0)
         else:
             er.append(np.array([r]))
             ec.append(np.array([n + n_pen + i]))
             ev.append(np.array([1.0]))
-            lower.append(float(target[k]))
+            lower.append(float(target[k] * frac))
+            item_target.append(float(target[k] * frac))
         upper.append(np.inf)
+    avail_row0 = len(lower)
     avail_rows: list[tuple[int, int]] = []
     use = np.zeros_like(market.avail)
     if n:
@@ -246,6 +313,14 @@ def assemble(
                 ev.append(cols.counts[members, c].astype(float))
                 lower.append(-np.inf)
                 upper.append(float(market.avail[r, c]))
+    if len(share_parent):  # Σ_c s_jc − x_j ≤ 0 for every column with shares
+        parents, link = np.unique(share_parent, return_inverse=True)
+        row0 = len(lower)
+        er.extend([row0 + link, row0 + np.arange(len(parents))])
+        ec.extend([share_start + np.arange(len(share_parent)), parents])
+        ev.extend([np.ones(len(share_parent)), -np.ones(len(parents))])
+        lower.extend([-np.inf] * len(parents))
+        upper.extend([0.0] * len(parents))
     for i, j in enumerate(running):
         row = len(lower)
         kc = k_pen * cols.cost[j]
@@ -254,6 +329,18 @@ def assemble(
         ev.append(np.array([1.0, -kc]))
         lower.append(-kc * cols.running[j])
         upper.append(np.inf)
+    if not maxmin:
+        for k in cols.split:  # Σ_j T_jc x_j ≥ split_c·D, implied by s_jc ≤ x_j: integer rows the solver can round
+            if k not in keys or cols.class_thr is None:
+                continue
+            for c, frac in enumerate(cols.split[k]):
+                members = np.flatnonzero((cols.key == k) & (cols.class_thr[:, c] > 0))
+                er.append(np.full(len(members), len(lower)))
+                ec.append(members)
+                ev.append(cols.class_thr[members, c])
+                lower.append(float(target[k] * frac))
+                upper.append(np.inf)
+        _rounding_cuts(cols, keys, target, er, ec, ev, lower, upper)
     cost = np.zeros(n_vars)
     ub = np.zeros(n_vars)
     integer = np.zeros(n_vars, dtype=bool)
@@ -271,20 +358,58 @@ def assemble(
         cost[n:n + n_pen] = 1.0
         ub[n:n + n_pen] = k_pen * cols.cost[running] * ub[running]
         protected[n:n + n_pen] = True
-        for i, k in enumerate(keys):
+        for i, tgt in enumerate(item_target):
             s = n + n_pen + i
-            cost[s], ub[s], artificial[s] = big, float(target[k]), True
+            cost[s], ub[s], artificial[s] = big, tgt, True
     else:
         assert t_col is not None
         cost[t_col], ub[t_col], protected[t_col] = -1.0, 1.0, True
+    ub[share_start:] = ub[share_parent]
+    group[share_start:] = group[share_parent]
     entry_row = np.concatenate(er) if er else np.zeros(0, dtype=np.int64)
     entry_col = np.concatenate(ec) if ec else np.zeros(0, dtype=np.int64)
     entry_val = np.concatenate(ev) if ev else np.zeros(0)
+    parent = np.full(n_vars, -1, dtype=np.int64)
+    parent[share_start:] = share_parent
     problem = Problem(cost, ub, integer, entry_row.astype(np.int64), entry_col.astype(np.int64), entry_val,
-                      np.array(lower), np.array(upper), protected, score, group, artificial)
+                      np.array(lower), np.array(upper), protected, score, group, artificial, parent)
     pen_of = np.full(n, -1, dtype=np.int64)
     pen_of[running] = n + np.arange(n_pen)
-    return problem, Layout(n, pen_of, t_col, demand_rows, avail_rows, n_vars)
+    return problem, Layout(n, pen_of, t_col, demand_rows, avail_rows, n_vars, class_rows, avail_row0, share_start,
+                           share_parent, share_class)
+
+
+CUTS_PER_KEY = 6
+
+
+def _rounding_cuts(cols: Columns, keys: list[int], target: np.ndarray, er: list[np.ndarray], ec: list[np.ndarray],
+                   ev: list[np.ndarray], lower: list[float], upper: list[float]) -> None:
+    """Chvátal-Gomory rounding cuts of every key's capacity row Σ_j R_j x_j ≥ D (integer x ≥ 0; R_j = T_j, or
+    for a key with classes its best class rating, since Σ_c s_jc ≤ x_j): Σ_j ⌈u R_j⌉ x_j ≥ ⌈u D⌉ for u = 1/R_j
+    of the CUTS_PER_KEY most cost-efficient columns and u = 1/D. They tighten the LP bound (an instance is
+    bought whole) without removing any integer point. CUTS_PER_KEY = 0 disables them (benchmarks compare)."""
+    if not CUTS_PER_KEY:
+        return
+    rating = cols.throughput.copy()
+    if cols.class_thr is not None and cols.split:
+        on = np.isin(cols.key, list(cols.split))
+        rating[on] = cols.class_thr[on].max(axis=1)
+    for k in keys:
+        members = np.flatnonzero((cols.key == k) & (rating > 0))
+        d = float(target[k])
+        if not len(members) or d <= 0:
+            continue
+        best = members[np.argsort(cols.cost[members] / rating[members], kind="stable")]
+        scales = np.unique(np.concatenate([1.0 / rating[best[:CUTS_PER_KEY]], [1.0 / d]]))
+        for u in scales:
+            rhs = math.ceil(u * d - 1e-6)
+            coef = np.ceil(u * rating[members] - 1e-9)
+            row = len(lower)
+            er.append(np.full(len(members), row))
+            ec.append(members)
+            ev.append(coef)
+            lower.append(float(rhs))
+            upper.append(np.inf)
 
 
 def greedy(cols: Columns, market: Market, target: np.ndarray, order: list[int] | None = None,
@@ -316,7 +441,8 @@ def greedy(cols: Columns, market: Market, target: np.ndarray, order: list[int] |
                 if partial:
                     break
                 return None
-            score = np.where(fits, cols.cost[idx] / np.minimum(cols.throughput[idx], residual), np.inf)
+            with np.errstate(divide="ignore"):
+                score = np.where(fits, cols.cost[idx] / np.minimum(cols.throughput[idx], residual), np.inf)
             j = idx[int(np.argmin(score))]
             x[j] += 1
             used[cols.region[j]] += cols.counts[j]
@@ -328,6 +454,11 @@ def full_start(x: np.ndarray, problem: Problem, layout: Layout, cols: Columns, p
     """Extend an instance vector to all variables of `problem` (penalties at their minimum, no slack)."""
     v = np.zeros(problem.n)
     v[:layout.n_x] = x
+    if len(layout.share_parent) and cols.class_thr is not None:  # each instance serves the mix in proportion
+        j, c = layout.share_parent, layout.share_class
+        split = np.array([cols.split[int(k)][int(ci)] for k, ci in zip(cols.key[j], c, strict=True)])
+        v[layout.share_start:] = np.where(cols.throughput[j] > 0,
+                                          x[j] * cols.throughput[j] * split / cols.class_thr[j, c], 0.0)
     run = np.flatnonzero(layout.penalty_of >= 0)
     v[layout.penalty_of[run]] = (penalty_k or 0.0) * cols.cost[run] * np.maximum(0.0, x[run] - cols.running[run])
     return v
@@ -347,8 +478,10 @@ def build_plan(
     running: dict[tuple[int, str], int],
     penalty_k: float | None,
     demand_scale: float = 1.0,
+    capacity: Mapping[DemandKey, float] | None = None,
 ) -> Plan:
-    """A Plan from (template id, region index, count) triples. `demand` is what each key asked for."""
+    """A Plan from (template id, region index, count) triples. `demand` is what each key asked for; `capacity`
+    overrides the summed template ratings of keys planned with request classes."""
     instances: list[PlanInstance] = []
     cap = dict.fromkeys(keys, 0.0)
     key_cost = dict.fromkeys(keys, 0.0)
@@ -371,6 +504,7 @@ def build_plan(
         cap[key] = cap.get(key, 0.0) + count * tpl.throughput
         key_cost[key] = key_cost.get(key, 0.0) + count * cost
         penalty += (penalty_k or 0.0) * cost * max(0, count - running.get((t, region), 0))
+    cap.update(capacity or {})
     serving = []
     for k, key in enumerate(keys):
         d = float(demand[k])

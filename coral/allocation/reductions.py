@@ -103,3 +103,30 @@ def _undominated_pairwise(counts: np.ndarray, throughput: np.ndarray, keep: np.n
     if keep is not None:
         out |= keep
     return out
+
+
+def pareto_columns(group: np.ndarray, cost: np.ndarray, throughput: np.ndarray, usage: np.ndarray,
+                   keep: np.ndarray, chunk: int = 128) -> np.ndarray:
+    """Boolean mask of columns not dominated within their `group` (one demand key and region), reduction 4:
+    column j is dropped when a column i of the same group costs no more, gives no less throughput (every column
+    of the 2-D `throughput`, i.e. every request class) and uses no more nodes of every scarce config (`usage`:
+    node counts, zero where availability is unlimited). Replacing j by i keeps any solution feasible and no dearer (an instance
+    count above ⌈D/T_i⌉ is never needed), so the optimum survives; ties keep the lowest index. Columns in `keep`
+    (running) are neither dropped nor used as dominators (their cost differs by the scale-up penalty)."""
+    thr = throughput.reshape(len(cost), -1)
+    out = np.ones(len(cost), dtype=bool)
+    for g in np.unique(group):
+        idx = np.flatnonzero((group == g) & ~keep)
+        if len(idx) < 2:
+            continue
+        c, t, u = cost[idx], thr[idx], usage[idx]
+        for s in range(0, len(idx), chunk):
+            j = np.arange(s, min(s + chunk, len(idx)))
+            le = ((c[None, :] <= c[j, None]) & (t[None, :, :] >= t[j, None, :]).all(axis=2)
+                  & (u[None, :, :] <= u[j, None, :]).all(axis=2))
+            strict = ((c[None, :] < c[j, None]) | (t[None, :, :] > t[j, None, :]).any(axis=2)
+                      | (u[None, :, :] < u[j, None, :]).any(axis=2) | (np.arange(len(idx))[None, :] < j[:, None]))
+            dom = le & strict
+            dom[np.arange(len(j)), j] = False
+            out[idx[j[dom.any(axis=1)]]] = False
+    return out

@@ -10,10 +10,16 @@ dominance, no reductions, no placement solver: if the pipeline is exact, both re
 from __future__ import annotations
 
 import itertools
+from collections.abc import Mapping
 
 import numpy as np
 
 from coral.allocation import milp
+from coral.allocation.classes import class_ratings, demand_split, model_classes
+from coral.allocation.demand import scenario_demand
+from coral.catalog.loader import Catalog, builtin_catalog
+from coral.catalog.schema import Scenario
+from coral.templates.library import TemplateLibrary
 from coral.templates.placement import all_placements
 
 
@@ -47,4 +53,65 @@ def joint_cost(tables: np.ndarray, n_max: int, prices: list[dict[int, float]], a
                 rows.add(np.array(idx), np.array([float(cols[i][3].count(cfg)) for i in idx]), -np.inf, float(cap))
     res = milp.solve(np.array([c[1] for c in cols]), np.zeros(n), np.full(n, 1e4), np.ones(n, dtype=bool), rows,
                      time_limit=60.0, gap=1e-12)
+    return res.objective
+
+
+
+def plain_cost(library: TemplateLibrary, scenario: Scenario, availability: Mapping[str, Mapping[str, int]] | None,
+               catalog: Catalog | None = None, time_limit: float = 300.0) -> float | None:
+    """Optimal $/h of the allocation written out directly, for checking the pipeline on real libraries: one
+    integer count per (usable template, region offering all its configs) and, for a (model, phase) with request
+    classes, one continuous share per (count, class), with demand, share and availability rows; no reductions,
+    cuts, column generation or warm start; HiGHS at gap 1e-9. None when infeasible."""
+    catalog = catalog or builtin_catalog()
+    models = {sm.model: sm for sm in scenario.models}
+    ints: list[tuple[int, int]] = []  # (template, region)
+    cost: list[float] = []
+    keys: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # (integer columns, ratings (n, K), class demand)
+    for (m, phase), d in scenario_demand(scenario).items():
+        d /= scenario.target_utilization.of(str(phase))
+        rows = library.select(m, phase)
+        rows = rows[library.throughput[rows] > 0]
+        if d <= 0 or not len(rows):
+            continue
+        cls = model_classes(models[m])
+        ratings = (class_ratings(library, rows, models[m], phase, cls, catalog) if len(cls) > 1
+                   else library.throughput[rows][:, None].astype(float))
+        idx_all, rat_all = [], []
+        for r, region in enumerate(scenario.regions):
+            offered_prices = catalog.prices(region)
+            price = np.array([offered_prices.get(c, np.inf) if c in scenario.configs else np.inf
+                              for c in library.configs])
+            ok = ((library.counts[rows] > 0) <= np.isfinite(price)).all(axis=1)
+            idx_all.append(np.arange(len(ints), len(ints) + int(ok.sum())))
+            rat_all.append(ratings[ok])
+            ints.extend((int(t), r) for t in rows[ok])
+            cost.extend((library.counts[rows[ok]] * np.where(np.isfinite(price), price, 0.0)).sum(axis=1).tolist())
+        keys.append((np.concatenate(idx_all), np.concatenate(rat_all), d * demand_split(cls, phase)))
+    n_int = len(ints)
+    n = n_int + sum(len(i) * len(dem) for i, _, dem in keys if len(dem) > 1)
+    rows_ = milp.SparseRows(n)
+    nxt = n_int
+    for idx, ratings, dem in keys:
+        if len(dem) == 1:
+            rows_.add(idx, ratings[:, 0], float(dem[0]), np.inf)
+            continue
+        share = nxt + np.arange(len(idx) * len(dem)).reshape(len(idx), len(dem))
+        nxt += share.size
+        for c in range(len(dem)):
+            rows_.add(share[:, c], ratings[:, c], float(dem[c]), np.inf)
+        for i, j in enumerate(idx):
+            rows_.add(np.concatenate([share[i], [j]]), np.concatenate([np.ones(len(dem)), [-1.0]]), -np.inf, 0.0)
+    tpl = np.array([t for t, _ in ints], dtype=np.int64)
+    reg = np.array([r for _, r in ints], dtype=np.int64)
+    for r, region in enumerate(scenario.regions if availability is not None else []):
+        for c, cfg in enumerate(library.configs):
+            members = np.flatnonzero((reg == r) & (library.counts[tpl, c] > 0))
+            if len(members):
+                cap = float((availability or {}).get(region, {}).get(cfg, 0))
+                rows_.add(members, library.counts[tpl[members], c].astype(float), -np.inf, cap)
+    full_cost = np.concatenate([np.array(cost), np.zeros(n - n_int)])
+    integer = np.arange(n) < n_int
+    res = milp.solve(full_cost, np.zeros(n), np.where(integer, 1e4, np.inf), integer, rows_,
+                     time_limit=time_limit, gap=1e-9)
     return res.objective

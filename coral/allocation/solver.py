@@ -41,6 +41,7 @@ class Problem:
     score: np.ndarray  # higher = better column to seed the restricted problems with
     group: np.ndarray  # seed group of each column (-1: always seeded)
     artificial: np.ndarray  # LP-only slack columns (demand shortfall at a prohibitive cost)
+    parent: np.ndarray | None = None  # column whose capacity a share column uses (-1: none)
 
     @property
     def n(self) -> int:
@@ -91,6 +92,8 @@ class Outcome:
 
 SEED_PER_GROUP = 8
 PRICE_BATCH = 400
+CUT_ROUNDS = 12  # 0 disables the cutting-plane rounds (benchmarks compare)
+CUT_MULTIPLES = (1, 2, 3)
 
 
 def _seed(p: Problem, start: np.ndarray | None) -> np.ndarray:
@@ -104,6 +107,9 @@ def _seed(p: Problem, start: np.ndarray | None) -> np.ndarray:
     sel[order[(rank < SEED_PER_GROUP) & (g >= 0)]] = True
     if start is not None:
         sel |= start > 0
+    if p.parent is not None:  # the shares of every seeded column
+        share = p.parent >= 0
+        sel[share] |= sel[p.parent[share]]
     return np.flatnonzero(sel)
 
 
@@ -132,6 +138,43 @@ def _signed(p: Problem, dual: np.ndarray) -> np.ndarray:
     y[~np.isfinite(p.row_lower) & (y > 0)] = 0.0
     y[~np.isfinite(p.row_upper) & (y < 0)] = 0.0
     return y
+
+
+def rounding_cuts(p: Problem, x: np.ndarray) -> Problem | None:
+    """`p` with the Chvátal-Gomory cuts that `x` violates appended, or None when there are none. From every
+    covering row Σ a_i x_i ≥ b over integer columns (a > 0; the LP-only artificial slack is left out, it is zero
+    in every real solution) and every column j fractional in `x`: Σ ⌈u a_i⌉ x_i ≥ ⌈u b⌉ with u = m / a_j
+    (m in CUT_MULTIPLES), valid for every integer point because the left side is an integer ≥ u·b."""
+    real = ~p.artificial[p.entry_col]
+    order = np.argsort(p.entry_row, kind="stable")
+    bounds = np.searchsorted(p.entry_row[order], np.arange(len(p.row_lower) + 1))
+    er: list[np.ndarray] = []
+    ec: list[np.ndarray] = []
+    ev: list[np.ndarray] = []
+    lower: list[float] = []
+    for r in np.flatnonzero(np.isfinite(p.row_lower) & (p.row_lower > 0) & ~np.isfinite(p.row_upper)):
+        e = order[bounds[r]:bounds[r + 1]]
+        e = e[real[e]]
+        cols, a = p.entry_col[e], p.entry_val[e]
+        if not len(cols) or not p.integer[cols].all() or (a <= 0).any():
+            continue
+        b = float(p.row_lower[r])
+        frac = cols[np.abs(x[cols] - np.round(x[cols])) > 1e-6]
+        for j in frac:
+            for m in CUT_MULTIPLES:
+                u = m / float(a[cols == j][0])
+                coef, rhs = np.ceil(u * a - 1e-9), float(np.ceil(u * b - 1e-6))
+                if coef @ x[cols] < rhs - 1e-6:
+                    er.append(np.full(len(cols), len(p.row_lower) + len(lower)))
+                    ec.append(cols)
+                    ev.append(coef)
+                    lower.append(rhs)
+    if not lower:
+        return None
+    return Problem(p.cost, p.upper, p.integer, np.concatenate([p.entry_row, *er]),
+                   np.concatenate([p.entry_col, *ec]), np.concatenate([p.entry_val, *ev]),
+                   np.concatenate([p.row_lower, lower]), np.concatenate([p.row_upper, np.full(len(lower), np.inf)]),
+                   p.protected, p.score, p.group, p.artificial, p.parent)
 
 
 def components(p: Problem) -> np.ndarray:
@@ -163,9 +206,10 @@ def subproblem(p: Problem, cols: np.ndarray) -> tuple[Problem, np.ndarray]:
     rows = np.unique(p.entry_row[keep])
     rpos = np.full(len(p.row_lower), -1, dtype=np.int64)
     rpos[rows] = np.arange(len(rows))
+    parent = None if p.parent is None else np.where(p.parent[cols] >= 0, pos[p.parent[cols]], -1)
     sub = Problem(p.cost[cols], p.upper[cols], p.integer[cols], rpos[p.entry_row[keep]], pos[p.entry_col[keep]],
                   p.entry_val[keep], p.row_lower[rows], p.row_upper[rows], p.protected[cols], p.score[cols],
-                  p.group[cols], p.artificial[cols])
+                  p.group[cols], p.artificial[cols], parent)
     return sub, rows
 
 
@@ -246,7 +290,18 @@ def solve_block(
             full[real] = res.x
         return Outcome(res.status, full, res.objective, res.bound, res.gap, time.perf_counter() - t0,
                        res.n_cols, res.n_rows, ["reductions off"])
+    n_rows = len(p.row_lower)
     lp, lp_cols, y = _lp(p, _seed(p, start), time_limit)
+    for _ in range(CUT_ROUNDS):  # tighten the LP bound with rounding cuts at the LP optimum
+        if lp.x is None:
+            break
+        lp_x = np.zeros(p.n)
+        lp_x[lp_cols] = lp.x
+        cut = rounding_cuts(p, lp_x)
+        if cut is None:
+            break
+        p = cut
+        lp, lp_cols, y = _lp(p, lp_cols, time_limit)
     if lp.x is None:
         return Outcome(lp.status, None, None, None, None, time.perf_counter() - t0, p.n, len(p.row_lower),
                        [f"LP relaxation: {lp.status}"])
@@ -255,7 +310,7 @@ def solve_block(
     shortfall = float(lp_x[p.artificial].sum())
     if shortfall > 1e-6:
         return Outcome("Infeasible", None, None, None, None, time.perf_counter() - t0, p.n, len(p.row_lower),
-                       [f"LP relaxation short of demand by {shortfall:.6g} tokens/s"], row_dual=y)
+                       [f"LP relaxation short of demand by {shortfall:.6g} tokens/s"], row_dual=y[:n_rows])
     rc = p.reduced_costs(y)
     z = p.lagrangian_bound(y, rc)
     notes.append(f"LP bound {z:.6g} over {p.n} columns ({len(lp_cols)} generated)")
@@ -298,5 +353,6 @@ def solve_block(
     if objective is not None:
         gap_out = max(0.0, (objective - bound) / max(abs(objective), 1e-9)) if objective else 0.0
     status = res.status if res.x is not None or x is None else "Time limit reached (incumbent)"
+    notes.append(f"{len(p.row_lower) - n_rows} rounding cuts")
     return Outcome(status, x, objective, bound, gap_out, time.perf_counter() - t0, len(cols), res.n_rows,
-                   notes, lp_bound=z, row_dual=y)
+                   notes, lp_bound=z, row_dual=y[:n_rows])

@@ -36,12 +36,16 @@ def _read_structured(path: Path) -> Any:
         text = path.read_text()
     except OSError as exc:
         raise CoralInputError(f"{path}: cannot read: {exc.strerror}") from exc
+    except UnicodeDecodeError as exc:
+        raise CoralInputError(f"{path}: not UTF-8 text (byte {exc.start})") from exc
     try:
         if path.suffix == ".json":
             return json.loads(text)
         return yaml.safe_load(text)
     except (yaml.YAMLError, json.JSONDecodeError) as exc:
         raise CoralInputError(f"{path}: malformed {path.suffix.lstrip('.') or 'yaml'}: {exc}") from exc
+    except RecursionError:
+        raise CoralInputError(f"{path}: nested too deeply") from None
 
 
 def format_validation_error(source: str, exc: ValidationError) -> str:

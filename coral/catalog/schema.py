@@ -122,6 +122,15 @@ class ModelCatalog(_Strict):
     models: list[ModelArch]
 
 
+class RequestClass(_Strict):
+    """A request-length class of one model's workload: its share of the requests and their mean lengths."""
+
+    share: float = Field(gt=0, le=1, description="fraction of the model's requests")
+    mean_input_tokens: float = Field(gt=0)
+    mean_output_tokens: float = Field(gt=0)
+    name: str = ""
+
+
 class ScenarioModel(_Strict):
     """A model served in a scenario, with its SLOs and workload."""
 
@@ -133,6 +142,23 @@ class ScenarioModel(_Strict):
     mean_output_tokens: float = Field(gt=0)
     trace: str = Field(default="synthetic", description="trace name used by the simulator")
     priority: float = Field(default=1.0, gt=0)
+    request_classes: Literal["auto", "off"] | list[RequestClass] = Field(
+        default="off",
+        description="request-length classes planned separately (a template's capacity is shared by classes, each "
+        "rated at its own lengths): 'off' (default) = one class with the mean lengths, 'auto' = prompt-length "
+        "quantile classes of the trace when its spread is wide (see coral.allocation.classes), or an explicit list",
+    )
+
+    @field_validator("request_classes")
+    @classmethod
+    def _shares(cls, classes: str | list[RequestClass]) -> str | list[RequestClass]:
+        if isinstance(classes, list):
+            if not classes:
+                raise ValueError("request_classes: give at least one class, or 'auto' / 'off'")
+            total = sum(c.share for c in classes)
+            if abs(total - 1.0) > 1e-6:
+                raise ValueError(f"request_classes: shares must sum to 1, not {total:.6g}")
+        return classes
 
 
 class AvailabilityHeadroom(_Strict):

@@ -5,10 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import typer
-from rich.table import Table
 
 from coral.catalog.loader import CoralInputError, builtin_catalog, load_scenario
 from coral.cli.common import DEFAULT_OUT, ENGINE_HELP, console, friendly_errors
+from coral.report.terminal import FoldingTable, solver_in_words
 
 
 def register(app: typer.Typer) -> None:
@@ -17,11 +17,11 @@ def register(app: typer.Typer) -> None:
     app.command("experiment")(experiment_cmd)
 
 
-def plan_table(plan: object) -> Table:
+def plan_table(plan: object) -> FoldingTable:
     from coral.allocation.plan import Plan
 
     assert isinstance(plan, Plan)
-    table = Table(title=f"{plan.method} plan for {plan.scenario} ({plan.mode}), ${plan.cost_per_hour:,.2f}/h")
+    table = FoldingTable(title=f"{plan.method} plan for {plan.scenario} ({plan.mode}), ${plan.cost_per_hour:,.2f}/h")
     for col in ("model/phase", "instances (template@region ×n)", "$/h", "demand tok/s", "capacity tok/s",
                 "spare", "served"):
         table.add_column(col, justify="left" if col.startswith(("model", "inst")) else "right")
@@ -42,7 +42,7 @@ def plan_table(plan: object) -> Table:
 def allocate_cmd(
     scenario: str = typer.Argument("core", help="built-in scenario name or scenario YAML"),
     mode: str = typer.Option("cost", help="cost | goodput | scaled"),
-    method: str = typer.Option("coral", help="coral | homo | cauchy"),
+    method: str = typer.Option("coral", help="coral | homo-greedy | homo-ilp | cauchy-paper"),
     availability_factor: float | None = typer.Option(None, help="headroom factor overriding the scenario's"),
     running: Path | None = typer.Option(None, help="previous plan JSON (scale-up penalty against it)"),
     time_limit: float = typer.Option(30.0, help="solver time limit, s"),
@@ -67,38 +67,46 @@ def allocate_cmd(
         prev = Plan.load(running) if running else None
         plan = allocate(lib, sc, availability=avail, running=prev, mode=mode,  # type: ignore[arg-type]
                         time_limit=time_limit, gap=gap)
-    elif method == "homo":
-        plan = baselines.homo(lib, sc, availability=avail)
-    elif method == "cauchy":
-        plan = baselines.cauchy(lib, sc, availability=avail, time_limit=time_limit, gap=gap)
+    elif method == "homo-greedy":
+        plan = baselines.homo_greedy(lib, sc, availability=avail)
+    elif method == "homo-ilp":
+        plan = baselines.homo_ilp(lib, sc, availability=avail, mode=mode,  # type: ignore[arg-type]
+                                  time_limit=time_limit, gap=gap)
+    elif method == "cauchy-paper":
+        plan = baselines.cauchy_paper(lib, sc, availability=avail, time_limit=time_limit, gap=gap)
     else:
-        raise CoralInputError(f"--method: must be coral, homo or cauchy, not {method!r}")
+        raise CoralInputError(f"--method: must be coral, homo-greedy, homo-ilp or cauchy-paper, not {method!r}")
     plan.engine = engine  # type: ignore[assignment]  # checked by engine_library
     console.print(plan_table(plan))
     s = plan.solve
     console.print(f"status {s.status}, objective {s.objective}, bound {s.bound}, gap {s.gap}, "
                   f"{s.time_s:.3f} s, {s.n_variables} vars, {s.n_constraints} rows; penalty "
                   f"${plan.penalty_per_hour:,.2f}/h")
+    console.print(f"in words: {solver_in_words(s)}")
     for note in s.notes:
         console.print(f"  [dim]{note}[/]")
-    path = plan.save(out / f"{Path(scenario).stem}.{method}.plan.json")
+    path = plan.save(out / f"{Path(scenario).stem}.{mode}.{method}.plan.json")
     console.print(f"-> [bold]{path}[/]")
 
 
 @friendly_errors
 def experiment_cmd(
-    name: str = typer.Argument(..., help="default | scarce | imbalanced | epochs"),
+    name: str = typer.Argument(..., help="default | scarce | imbalanced | epochs | waterfall"),
+    target: str | None = typer.Argument(None, help="scenario of epochs (default extended) or waterfall (core)"),
     out: Path = typer.Option(DEFAULT_OUT, help="output folder (libraries cached here; results in experiments/)"),
     time_limit: float = typer.Option(30.0, help="solver time limit per solve, s"),
-    scenario: str = typer.Option("extended", help="scenario of the epochs experiment"),
+    scenario: str | None = typer.Option(None, help="same as the second argument"),
 ) -> None:
     """Run an allocation experiment: print a table, write JSON and a PNG plot."""
     from coral.experiments.allocation import run_experiment
 
-    result = run_experiment(name, out, time_limit, **({"scenario": scenario} if name == "epochs" else {}))
-    table = Table(title=result.title)
+    chosen = target or scenario
+    if chosen and name not in ("epochs", "waterfall"):
+        raise CoralInputError(f"experiment {name!r} takes no scenario (only epochs and waterfall do)")
+    result = run_experiment(name, out, time_limit, **({"scenario": chosen} if chosen else {}))
+    table = FoldingTable(title=result.title)
     for col in result.columns:
-        table.add_column(col, justify="left" if col in ("setting", "method", "status") else "right")
+        table.add_column(col, justify="left" if col in ("setting", "method", "status", "change") else "right")
     for row in result.rows:
         table.add_row(*[_fmt(row.get(c)) for c in result.columns])
     console.print(table)

@@ -2,18 +2,26 @@
 
 from __future__ import annotations
 
-import csv
+import shlex
 from pathlib import Path
 
 import typer
 import yaml
-from rich.table import Table
 
-from coral.catalog.loader import CoralInputError, builtin_catalog
+from coral import vllm_cpu
+from coral.catalog.loader import CoralInputError, builtin_catalog, data_path
 from coral.catalog.schema import parse_config_name
 from coral.cli.common import console, friendly_errors
 from coral.perf import PerfParams, Phase, RooflineModel, Workload
-from coral.perf.measured import MeasuredModel, calibrate
+from coral.perf.measured import (
+    EFFICIENCY_BOUNDS,
+    MeasuredModel,
+    ProfileSet,
+    calibrate,
+    error_summary,
+    relative_errors,
+)
+from coral.report.terminal import FoldingTable
 
 perf_app = typer.Typer(help="Performance model: throughput tables and calibration.", no_args_is_help=True)
 
@@ -48,7 +56,7 @@ def table_cmd(
     pm = MeasuredModel.from_folder(profiles) if profiles else RooflineModel()
     w = Workload(input_tokens, output_tokens)
     thr, batch = pm.throughput_table(arch, _phase(phase), node, slo_ms / 1e3, stages, w)
-    t = Table(title=f"{model} {phase} on {config}: budget {slo_ms / stages:.1f} ms/stage, fits "
+    t = FoldingTable(title=f"{model} {phase} on {config}: budget {slo_ms / stages:.1f} ms/stage, fits "
               f"{pm.max_layers(arch, node, w)} layers")
     for col in ("layers", "tokens/s", "batch"):
         t.add_column(col, justify="right")
@@ -61,47 +69,93 @@ def table_cmd(
 @perf_app.command("calibrate")
 @friendly_errors
 def calibrate_cmd(
-    points: Path = typer.Argument(..., help="CSV with header layers,batch,ms (measured step times)"),
-    model: str = typer.Option(..., help="model the points were measured on"),
-    config: str = typer.Option(..., help="node config the points were measured on"),
-    phase: str = typer.Option("decode", help="prefill or decode"),
-    input_tokens: float = typer.Option(1024, min=1),
-    output_tokens: float = typer.Option(128, min=1),
+    profiles: Path | None = typer.Argument(None, help="profile folder (Helix layout, e.g. a100/prompt_bs2time.csv); "
+                                           "default: the shipped Helix LLaMA-2 70B sample"),
+    model: str | None = typer.Option(None, help="model the profiles were measured on (default: profile.yaml)"),
+    folder_map: list[str] = typer.Option([], "--map", help="folder=config, e.g. a100=1xA100-40G"),
+    input_tokens: float | None = typer.Option(None, min=1, help="mean prompt tokens of the profiled workload "
+                                              "(default: profile.yaml, else 1024)"),
+    output_tokens: float | None = typer.Option(None, min=1, help="mean output tokens (default: profile.yaml, else 128)"),
+    params_file: Path | None = typer.Option(None, "--params", help="parameters to start from (default: shipped)"),
     out: Path = typer.Option(Path("out/perf_params.yaml"), help="where to write the calibrated parameters"),
+    warn_median: float = typer.Option(0.10, min=0, help="warn when a config/phase's median |error| exceeds this"),
+    warn_worst: float = typer.Option(0.25, min=0, help="warn when a config/phase's worst |error| exceeds this"),
 ) -> None:
-    """Fit the GPU's efficiency factors to measured step times and write a parameter file."""
-    try:
-        with points.open() as f:
-            rows = [(int(r["layers"]), float(r["batch"]), float(r["ms"]) / 1e3) for r in csv.DictReader(f)]
-    except (OSError, KeyError, ValueError) as exc:
-        raise CoralInputError(f"{points}: expected CSV columns layers,batch,ms ({exc})") from exc
+    """Fit per-GPU efficiency factors to measured per-layer profiles and write a parameter file."""
+    folder = profiles or data_path("profiles", "helix-llama2-70b")
+    mapping = {}
+    for item in folder_map:
+        name, sep, config = item.partition("=")
+        if not sep or not name or not config:
+            raise CoralInputError(f"--map: expected folder=config, not {item!r}")
+        mapping[name] = config
     cat = builtin_catalog()
-    node = cat.node_config(config)
-    params, err = calibrate(RooflineModel(PerfParams.load()), cat.model(model), _phase(phase), node, rows,
-                            Workload(input_tokens, output_tokens))
+    pset = ProfileSet.read(folder, mapping, cat)
+    man = pset.manifest
+    model_name = model or man.model
+    if model_name is None:
+        raise CoralInputError("--model: required (the profile folder has no profile.yaml naming the model)")
+    w = Workload(input_tokens or man.input_tokens or 1024, output_tokens or man.output_tokens or 128)
+    arch = cat.model(model_name)
+    start = RooflineModel(PerfParams.load(params_file))
+    with console.status(f"fitting {len(pset.profiles)} profiles"):
+        params, fits = calibrate(start, arch, pset, w, f"coral perf calibrate on {folder.name} ({model_name}, "
+                                 f"workload {w.input_tokens:g}/{w.output_tokens:g} tokens)", cat)
+    before = relative_errors(start, arch, pset, w, cat)
+    after = relative_errors(RooflineModel(params), arch, pset, w, cat)
+    t = FoldingTable(title=f"per-layer |predicted/measured - 1| on {folder.name}")
+    for col in ("config", "phase", "points", "median before", "worst before", "median after", "worst after"):
+        t.add_column(col, justify="right")
+    warnings = []
+    for key, err in after.items():
+        (med0, worst0), (med1, worst1) = error_summary(before[key]), error_summary(err)
+        t.add_row(key[0], str(key[1]), str(len(err)), f"{med0:.1%}", f"{worst0:.1%}", f"{med1:.1%}", f"{worst1:.1%}")
+        if med1 > warn_median or worst1 > warn_worst:
+            warnings.append(f"{key[0]} {key[1]} fits poorly: median {med1:.1%}, worst {worst1:.1%} "
+                            f"(warn above {warn_median:.0%} / {warn_worst:.0%})")
+    console.print(t)
+    for fit in fits:
+        values = ", ".join(f"{k.removesuffix('_efficiency')} {getattr(fit.override, k):.3f}" for k in fit.fitted)
+        console.print(f"{fit.gpu}: {values}; rms log error {fit.rms_log_error:.3f}")
+        lo, hi = EFFICIENCY_BOUNDS
+        warnings += [f"{fit.gpu} {k} = {getattr(fit.override, k):.3f} is at its bound [{lo}, {hi}]: the model "
+                     "does not explain these measurements with a physical value" for k in fit.at_bounds]
+    for msg in warnings:
+        console.print(f"[yellow]warning[/]: {msg}")
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(yaml.safe_dump(params.model_dump(mode="json"), sort_keys=False))
-    o = params.gpu_overrides[node.gpu.name]
-    console.print(f"{node.gpu.name}: compute {o.compute_efficiency:.2f}, memory {o.memory_efficiency:.2f}, "
-                  f"overhead {o.step_overhead_ms:.1f} ms; rms relative error {err:.1%} -> [bold]{out}[/]")
+    out.write_text(yaml.safe_dump(params.model_dump(mode="json", exclude_none=True), sort_keys=False))
+    console.print(f"-> [bold]{out}[/]")
 
 
 @perf_app.command("profile")
 @friendly_errors
 def profile_cmd(
-    model_id: str = typer.Option(..., help="Hugging Face model id vLLM should serve"),
-    config: str = typer.Option(..., help="node config of this machine, e.g. 2xL40S"),
+    config: str = typer.Option(..., help="node config of this machine, e.g. 2xL40S, or 1xCPU for vLLM on CPU"),
+    model: str | None = typer.Option(None, help="catalog model to profile (recorded in profile.yaml); its "
+                                     "Hugging Face id, or for tiny-llama a local config, is what vLLM serves"),
+    model_id: str | None = typer.Option(None, help="Hugging Face id or local directory vLLM should serve "
+                                        "(default: from --model)"),
     out: Path = typer.Option(Path("profiles"), help="profile folder (Helix layout)"),
     layers: tuple[int, int] = typer.Option((2, 4), help="two layer counts to difference"),
     command: str | None = typer.Option(None, help="engine command template with {layers} {port} {model}"),
+    vllm_python: str | None = typer.Option(None, help="1xCPU: the Python with vllm-cpu installed (default: "
+                                           f"${vllm_cpu.PYTHON_ENV_VAR}, else `python -m coral.vllm_cpu`'s venv)"),
 ) -> None:
-    """Measure per-layer prefill/decode times with vLLM on this GPU machine (writes Helix-layout CSVs)."""
+    """Measure per-layer prefill/decode times with vLLM on this machine (writes Helix-layout CSVs)."""
     from coral.perf.profiler import ProfileSpec, profile, subprocess_launcher
 
     _, gpus = parse_config_name(config)
+    if model_id is None:
+        if model is None:
+            raise CoralInputError("--model or --model-id: say which model to profile")
+        model_id = vllm_cpu.model_source(builtin_catalog().model(model))
     spec = ProfileSpec(model_id, config, gpus, layer_counts=layers)
-    with console.status(f"profiling {model_id} on {config} with {layers[0]} and {layers[1]} layers"):
-        rows = profile(spec, subprocess_launcher(spec, command), out)
+    given = {"--config": config, "--model": model, "--model-id": None if model else model_id,
+             "--layers": f"{layers[0]} {layers[1]}", "--command": command}
+    invocation = "coral perf profile " + " ".join(f"{k} {shlex.quote(v) if k != '--layers' else v}"
+                                                  for k, v in given.items() if v)
+    with console.status(f"profiling {model or model_id} on {config} with {layers[0]} and {layers[1]} layers"):
+        rows = profile(spec, subprocess_launcher(spec, command, python=vllm_python), out, model, invocation)
     for phase, pts in rows.items():
         console.print(f"{phase}: " + ", ".join(f"{b} tok: {ms:.3f} ms/layer" for b, ms in pts))
     console.print(f"-> [bold]{out / config}[/]")

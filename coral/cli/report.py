@@ -13,6 +13,7 @@ from coral.report.browser import run_chromium
 from coral.report.html import build_report
 from coral.report.inputs import ReportInputs
 from coral.report.terminal import print_comparison, print_inputs, print_plan
+from coral.report.view import mismatch_notes
 
 
 @friendly_errors
@@ -49,6 +50,8 @@ def report(
         inputs = load_inputs(sim) if sim else ReportInputs()
         for path in experiment:
             inputs = inputs.merged(load_inputs(path))
+    for note in mismatch_notes(the_plan, inputs):
+        console.print(f"[yellow]warning:[/] {note}")
     if not quiet:
         print_plan(the_plan, console)
         if baselines:

@@ -5,19 +5,20 @@ from __future__ import annotations
 from pathlib import Path
 
 import typer
-from rich.table import Table
 
 from coral.allocation.plan import Plan
 from coral.catalog.loader import CoralInputError, load_scenario
 from coral.cli.common import DEFAULT_OUT, console, friendly_errors
 from coral.experiments.allocation import load_library
+from coral.report.terminal import FoldingTable
+from coral.report.view import plan_fingerprint
 from coral.simulation.availability import load_availability
 from coral.simulation.engine import Replanner
 from coral.simulation.metrics import SimResult
 from coral.simulation.replan import allocator_replanner
 from coral.simulation.run import simulate
 from coral.simulation.stand_in import greedy_plan
-from coral.simulation.traces import workload_for
+from coral.simulation.traces import SHIPPED_TRACES, shipped_path, workload_for
 
 
 def register(app: typer.Typer) -> None:
@@ -25,12 +26,15 @@ def register(app: typer.Typer) -> None:
 
 
 def parse_traces(values: list[str], models: list[str]) -> dict[str, Path]:
-    """'PATH' (every model) or 'MODEL=PATH' (one model) -> {model: path}."""
+    """'PATH' (every model) or 'MODEL=PATH' (one model) -> {model: path}; PATH may also name a shipped trace
+    (azure-code, azure-conversation, burstgpt)."""
     out: dict[str, Path] = {}
     for v in values:
         name, sep, path = v.partition("=")
         if sep and name in models:
-            out[name] = Path(path)
+            out[name] = shipped_path(path) if path in SHIPPED_TRACES else Path(path)
+        elif v in SHIPPED_TRACES:
+            out.update(dict.fromkeys(models, shipped_path(v)))
         elif sep and not Path(v).exists():
             raise CoralInputError(f"--trace {v}: {name!r} is not a model of the scenario ({', '.join(models)})")
         else:
@@ -41,8 +45,8 @@ def parse_traces(values: list[str], models: list[str]) -> dict[str, Path]:
     return out
 
 
-def results_table(result: SimResult) -> Table:
-    table = Table(title=f"Simulation of {result.scenario} ({result.router} router, {result.duration_s:g} s)")
+def results_table(result: SimResult) -> FoldingTable:
+    table = FoldingTable(title=f"Simulation of {result.scenario} ({result.router} router, {result.duration_s:g} s)")
     for col in ("model", "requests", "TTFT p50/p99 ms", "TPOT p50/p99 ms", "SLO att.", "goodput tok/s",
                 "util P/D", "batch fill"):
         table.add_column(col, justify="left" if col == "model" else "right")
@@ -60,7 +64,8 @@ def simulate_cmd(
     scenario: str = typer.Argument(..., help="built-in scenario name or scenario YAML"),
     plan: Path | None = typer.Option(None, help="plan JSON to run unchanged (default: the allocator every epoch)"),
     trace: list[str] = typer.Option(
-        [], help="trace CSV (Azure or BurstGPT) as PATH or MODEL=PATH, rescaled to the model's rate; repeatable"
+        [], help="trace CSV (Azure or BurstGPT) or shipped trace name (azure-code, azure-conversation, burstgpt) as PATH or "
+        "MODEL=PATH, rescaled to the model's rate; repeatable"
     ),
     duration: float = typer.Option(0.0, help="simulated seconds (default: the scenario's epochs x epoch length)"),
     seed: int = typer.Option(0, help="seed of the workload (trace offsets, synthetic requests)"),
@@ -113,6 +118,8 @@ def simulate_cmd(
                 kv_reserve=kv_reserve,  # type: ignore[arg-type]
             )
         result.notes.extend(log)
+        if fixed_plan is not None:
+            result.plan_fingerprint = plan_fingerprint(fixed_plan)
         report(result, out / "sim" / f"{Path(scenario).stem}-{r}", requests_csv)
         results.append(result)
     if len(results) > 1:
@@ -140,8 +147,8 @@ def report(result: SimResult, folder: Path, requests_csv: bool) -> None:
     console.print(f"wrote {path}, " + ", ".join(str(p) for p in pngs))
 
 
-def compare_table(results: list[SimResult]) -> Table:
-    table = Table(title="Routers compared")
+def compare_table(results: list[SimResult]) -> FoldingTable:
+    table = FoldingTable(title="Routers compared")
     for col in ("router", "SLO att.", "goodput tok/s", "TTFT p99 ms", "TPOT p99 ms", "finished"):
         table.add_column(col, justify="left" if col == "router" else "right")
     for r in results:

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import numpy as np
 import typer
-from rich.table import Table
 
 from coral.catalog.loader import CoralInputError, builtin_catalog, load_scenario
 from coral.cli.common import DEFAULT_OUT, console, friendly_errors, library_path
 from coral.perf.roofline import PerfParams, RooflineModel
+from coral.report.terminal import FoldingTable
 from coral.templates.build import build_library
 
 templates_app = typer.Typer(help="Offline stage: the Serving Template Library.", no_args_is_help=True)
@@ -43,7 +43,7 @@ def build_cmd(
     lib = build_library(sc, perf=perf, workers=workers, progress=True, use_ray=ray, stage_filter=stage_filter)
     path = lib.save(library_path(scenario, out))
     stats = json.loads(lib.meta["stats"])
-    table = Table(title=f"Serving Template Library: {sc.name}")
+    table = FoldingTable(title=f"Serving Template Library: {sc.name}")
     for col in ("model/phase", "candidates", "feasible", "kept", "non-dominated"):
         table.add_column(col, justify="right" if col != "model/phase" else "left")
     for key, st in stats.items():
@@ -82,7 +82,7 @@ def show_cmd(
     with np.errstate(divide="ignore"):
         eff = np.where(np.isfinite(cost), lib.throughput[rows] / cost, 0.0)
     order = rows[np.argsort(-eff, kind="stable")][:top]
-    table = Table(title=f"{model} {phase} in {region}: best tokens/s per $")
+    table = FoldingTable(title=f"{model} {phase} in {region}: best tokens/s per $")
     for col in ("id", "nodes", "stages (layers: nodes)", "tokens/s", "$/h", "tokens/s/$"):
         table.add_column(col)
     for i in order:

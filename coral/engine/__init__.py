@@ -1,2 +1,11 @@
 """The Coral pipeline engine: serving instances that run any template (uneven pipeline stages, data-parallel nodes
-inside a stage, mixed node types) on real model code, with a layer-resharded KV hand-off from prefill to decode."""
+inside a stage, mixed node types) on real model code, with a layer-resharded KV hand-off from prefill to decode.
+
+Entry points:
+- `CoralInstance.from_plan(plan_instance, checkpoint, EngineConfig(...)).start()`: one process per node, the
+  scheduler and an OpenAI-compatible server on `.url`; `.stop()`. `EngineConfig(local=True)` runs the nodes as
+  threads (tests); `http=False` leaves `.scheduler` to drive directly (benchmarks).
+- `coral.runtime.coral_backend.CoralEngineBackend`: the controller backend (`coral serve --backend coral`).
+- `python -m coral.engine.instance PLAN INSTANCE_ID CHECKPOINT [--no-launch ...]`: one instance across machines.
+- `coral.engine.reference.WholeModel`: the same checkpoint run whole by transformers (exactness reference).
+"""

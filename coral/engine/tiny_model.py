@@ -39,6 +39,7 @@ class TinyLlamaSpec:
     vocab_size: int = 1024
     max_position_embeddings: int = 2048
     seed: int = 0
+    initializer_range: float = 0.02  # weight std; larger (e.g. 0.25) makes greedy outputs depend on the prompt
 
 
 def _corpus(seed: int, lines: int = 4000) -> list[str]:
@@ -101,6 +102,7 @@ def make_tiny_llama(out_dir: str | Path, spec: TinyLlamaSpec | None = None, weig
         eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id,
         tie_word_embeddings=False,
+        initializer_range=spec.initializer_range,
         dtype="float32",
     )
     config.architectures = ["LlamaForCausalLM"]

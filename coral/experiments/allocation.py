@@ -1,5 +1,6 @@
-"""Allocation experiments: planned cost of Coral vs Homo vs Cauchy-style, goodput under scarcity, online solve
-time, and a multi-epoch run with shifting demand and availability.
+"""Allocation experiments: planned cost of Coral vs the baselines (homo-ilp, homo-greedy, cauchy-paper; see
+coral.allocation.baselines), goodput under scarcity, online solve time, a multi-epoch run with shifting demand
+and availability, and the waterfall from the paper's setting to ours.
 
 Every experiment returns an `ExperimentResult` (rows of a table) and writes `<out>/experiments/<name>.json` and
 `<name>.png`. Libraries are built once per scenario and cached at `<out>/<scenario>.templates.sqlite`."""
@@ -16,12 +17,13 @@ from typing import Any
 import numpy as np
 
 from coral.allocation import baselines
-from coral.allocation.allocator import InfeasibleDemand, allocate
-from coral.allocation.availability import estimated_nodes, headroom_availability
+from coral.allocation.allocator import UNLIMITED, InfeasibleDemand, allocate
+from coral.allocation.availability import estimated_nodes, headroom_availability, resolve_availability
 from coral.allocation.demand import DemandKey, scenario_demand
 from coral.allocation.plan import Plan
-from coral.catalog.loader import builtin_catalog, load_scenario
+from coral.catalog.loader import Catalog, builtin_catalog, load_scenario
 from coral.catalog.schema import Scenario
+from coral.experiments.paper import paper_setting, waterfall_settings
 from coral.templates.library import TemplateLibrary
 
 SCARCE_FACTORS = (0.5, 0.8, 1.25, 1.75)  # < 1: below the estimate; demand may not be met
@@ -62,34 +64,52 @@ def _goodput(plan: Plan) -> float:
     return sum(min(s.capacity, s.demand) for s in plan.serving) / dem if dem else 1.0
 
 
-def _compare(name: str, lib: TemplateLibrary, sc: Scenario, avail: dict[str, dict[str, int]],
-             demand: dict[DemandKey, float] | None, time_limit: float) -> list[dict[str, Any]]:
-    """Coral (cost mode, falling back to goodput and scaled), Homo and Cauchy on one setting."""
-    rows: list[dict[str, Any]] = []
+METHODS = ("coral", "homo-ilp", "homo-greedy", "cauchy-paper")
+
+
+def compare_plans(lib: TemplateLibrary, sc: Scenario, avail: dict[str, dict[str, int]] | str,
+                  demand: dict[DemandKey, float] | None, time_limit: float, catalog: Catalog | None = None
+                  ) -> dict[str, Plan]:
+    """Coral and every baseline on one setting. Coral and homo-ilp run in cost mode; when demand cannot be met
+    they run in goodput mode (Coral also in the paper's scaled mode, as "coral-scaled")."""
     plans: dict[str, Plan] = {}
+    common: dict[str, Any] = {"demand": demand, "availability": avail, "catalog": catalog}
     try:
-        plans["coral"] = allocate(lib, sc, demand=demand, availability=avail, time_limit=time_limit, gap=1e-4)
+        plans["coral"] = allocate(lib, sc, time_limit=time_limit, gap=1e-4, **common)
     except InfeasibleDemand:
-        plans["coral-goodput"] = allocate(lib, sc, demand=demand, availability=avail, mode="goodput",
-                                          time_limit=time_limit)
-        plans["coral-scaled"] = allocate(lib, sc, demand=demand, availability=avail, mode="scaled",
-                                         time_limit=time_limit)
-    plans["homo"] = baselines.homo(lib, sc, demand=demand, availability=avail)
-    plans["cauchy"] = baselines.cauchy(lib, sc, demand=demand, availability=avail, time_limit=time_limit)
-    for method, p in plans.items():
-        rows.append({
-            "setting": name, "method": method, "cost_per_hour": round(p.cost_per_hour, 4),
-            "instances": len(p.instances), "nodes": sum(i.n_nodes for i in p.instances),
-            "heterogeneous": sum(i.heterogeneous for i in p.instances),
-            "min_served": round(_min_served(p), 4), "goodput": round(_goodput(p), 4),
-            "demand_scale": p.demand_scale, "solve_s": round(p.solve.time_s, 3),
-            "gap": p.solve.gap, "status": p.solve.status,
-        })
-    return rows
+        plans["coral"] = allocate(lib, sc, mode="goodput", time_limit=time_limit, **common)
+        plans["coral-scaled"] = allocate(lib, sc, mode="scaled", time_limit=time_limit, **common)
+    try:
+        plans["homo-ilp"] = baselines.homo_ilp(lib, sc, time_limit=time_limit, gap=1e-4, **common)
+    except InfeasibleDemand:
+        plans["homo-ilp"] = baselines.homo_ilp(lib, sc, mode="goodput", time_limit=time_limit, **common)
+    plans["homo-greedy"] = baselines.homo_greedy(lib, sc, **common)
+    plans["cauchy-paper"] = baselines.cauchy_paper(lib, sc, time_limit=time_limit, **common)
+    return plans
 
 
-COMPARE_COLUMNS = ["setting", "method", "cost_per_hour", "instances", "nodes", "heterogeneous", "min_served",
-                   "goodput", "demand_scale", "solve_s", "gap", "status"]
+def _met(plan: Plan) -> bool:
+    return _min_served(plan) >= 1 - 1e-9 and plan.demand_scale >= 1
+
+
+def _compare(name: str, lib: TemplateLibrary, sc: Scenario, avail: dict[str, dict[str, int]] | str,
+             demand: dict[DemandKey, float] | None, time_limit: float) -> list[dict[str, Any]]:
+    """One row per method (`compare_plans`); ratio = the method's $/h over Coral's (> 1: Coral is cheaper)."""
+    plans = compare_plans(lib, sc, avail, demand, time_limit)
+    coral = plans["coral"].cost_per_hour
+    return [{
+        "setting": name, "method": method, "cost_per_hour": round(p.cost_per_hour, 4),
+        "ratio": round(p.cost_per_hour / coral, 4) if coral > 0 else None, "demand_met": _met(p),
+        "instances": len(p.instances), "nodes": sum(i.n_nodes for i in p.instances),
+        "heterogeneous": sum(i.heterogeneous for i in p.instances),
+        "min_served": round(_min_served(p), 4), "goodput": round(_goodput(p), 4),
+        "demand_scale": p.demand_scale, "solve_s": round(p.solve.time_s, 3),
+        "gap": p.solve.gap, "status": p.solve.status,
+    } for method, p in plans.items()]
+
+
+COMPARE_COLUMNS = ["setting", "method", "cost_per_hour", "ratio", "demand_met", "instances", "nodes",
+                   "heterogeneous", "min_served", "goodput", "demand_scale", "solve_s", "gap", "status"]
 
 
 class _Estimates:
@@ -115,14 +135,18 @@ class _Estimates:
 
 
 def exp_default(out: Path, time_limit: float = 30.0) -> ExperimentResult:
-    """The paper's default setting (core and extended) at the scenarios' availability."""
+    """The default setting (core and extended): at the scenarios' availability (the headroom rule, derived from
+    Coral's own unlimited plan, so it offers few nodes of shapes Coral does not use) and with unlimited
+    availability (no such bias)."""
     est = _Estimates()
     rows = []
     for name in ("core", "extended"):
         sc, lib = load_scenario(name), load_library(name, out)
         factor = sc.availability.factor if not isinstance(sc.availability, dict) else 3.0
         rows += _compare(name, lib, sc, est.availability(sc, lib, factor), None, time_limit)
-    return ExperimentResult("default", "Default setting: planned $/h", COMPARE_COLUMNS, rows)
+        rows += _compare(f"{name} unlimited", lib, sc, UNLIMITED, None, time_limit)
+    return ExperimentResult("default", "Default setting: planned $/h", COMPARE_COLUMNS, rows,
+                            notes=["ratio = method $/h / Coral $/h; a ratio is a saving only where demand_met"])
 
 
 def exp_scarce(out: Path, time_limit: float = 30.0) -> ExperimentResult:
@@ -209,11 +233,39 @@ def exp_epochs(out: Path, time_limit: float = 30.0, scenario: str = "extended") 
                             notes=[f"availability = ceil(factor × E_c / |R_c|), seed {EPOCH_SEED}"])
 
 
+def waterfall_rows(lib: TemplateLibrary, sc: Scenario, time_limit: float = 30.0) -> list[dict[str, Any]]:
+    """One row per waterfall step (`paper.waterfall_settings`): each method's $/h and its ratio to Coral."""
+    rows = []
+    for step, st in enumerate(waterfall_settings(sc)):
+        avail = UNLIMITED if st.unlimited else resolve_availability(st.scenario, lib, st.catalog)
+        plans = compare_plans(lib, st.scenario, avail, None, time_limit, st.catalog)
+        coral = plans["coral"].cost_per_hour
+        row: dict[str, Any] = {"step": step, "change": st.name, "coral": round(coral, 4)}
+        for method in METHODS[1:]:
+            row[method] = round(plans[method].cost_per_hour, 4)
+            row[f"{method} x"] = round(plans[method].cost_per_hour / coral, 4)
+        row["all_met"] = all(_met(p) for m, p in plans.items() if m in METHODS)
+        rows.append(row)
+    return rows
+
+
+def exp_waterfall(out: Path, time_limit: float = 30.0, scenario: str = "core") -> ExperimentResult:
+    """From the paper's setting to ours, one change at a time (coral/data/paper_setting.yaml)."""
+    sc = load_scenario(scenario)
+    rows = waterfall_rows(load_library(scenario, out), sc, time_limit)
+    cols = ["step", "change", "coral", *(c for m in METHODS[1:] for c in (m, f"{m} x")), "all_met"]
+    return ExperimentResult(f"waterfall-{sc.name}", f"From the paper's setting to ours ({sc.name})", cols, rows,
+                            notes=["$/h per method; 'x' = method $/h / Coral $/h (> 1: Coral is cheaper)",
+                                   "paper prices: Table 1 relative cost per GPU × mean L4 $/GPU-h of offerings.yaml",
+                                   f"source: {paper_setting().source}"])
+
+
 EXPERIMENTS: dict[str, Callable[..., ExperimentResult]] = {
     "default": exp_default,
     "scarce": exp_scarce,
     "imbalanced": exp_imbalanced,
     "epochs": exp_epochs,
+    "waterfall": exp_waterfall,
 }
 
 
@@ -224,7 +276,18 @@ def _plot(result: ExperimentResult, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    if result.name == "epochs":
+    if result.name.startswith("waterfall"):
+        steps = [r["step"] for r in result.rows]
+        axes[0].plot(steps, [r["coral"] for r in result.rows], marker="o", label="coral")
+        for m in METHODS[1:]:
+            axes[0].plot(steps, [r[m] for r in result.rows], marker=".", label=m)
+            axes[1].plot(steps, [r[f"{m} x"] for r in result.rows], marker="o", label=m)
+        axes[1].axhline(1.0, color="grey", lw=0.8)
+        for ax, label in ((axes[0], "$/h"), (axes[1], "method $/h / Coral $/h")):
+            ax.set_xticks(steps, [r["change"] for r in result.rows], rotation=20, ha="right", fontsize=7)
+            ax.set_ylabel(label)
+            ax.legend()
+    elif result.name == "epochs":
         ep = [r["epoch"] for r in result.rows]
         axes[0].plot(ep, [r["cost_per_hour"] for r in result.rows], marker="o", label="$/h")
         axes[0].plot(ep, [r["penalty_per_hour"] for r in result.rows], marker="x", label="penalty $/h")
@@ -262,10 +325,10 @@ def run_experiment(name: str, out: Path = Path("out"), time_limit: float = 30.0,
     result = EXPERIMENTS[name](out, time_limit=time_limit, **options)
     folder = out / "experiments"
     folder.mkdir(parents=True, exist_ok=True)
-    js = folder / f"{name}.json"
-    js.write_text(json.dumps({"name": name, "title": result.title, "columns": result.columns, "rows": result.rows,
+    js = folder / f"{result.name}.json"
+    js.write_text(json.dumps({"name": result.name, "title": result.title, "columns": result.columns, "rows": result.rows,
                               "notes": result.notes}, indent=2, default=float))
-    png = folder / f"{name}.png"
+    png = folder / f"{result.name}.png"
     _plot(result, png)
     result.files = [js, png]
     return result

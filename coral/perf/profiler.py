@@ -6,6 +6,10 @@ config), then measures
 - prefill: wall time of a burst of concurrent prompts totalling B tokens, each with ``max_tokens=1``;
 - decode: mean inter-token time of B concurrent streams with ``ignore_eos``.
 The per-layer time is the slope (t(j2) - t(j1)) / (j2 - j1), which cancels the fixed per-step overhead.
+
+On a CPU node config (`1xCPU`) the engine is vLLM's CPU build (`coral.vllm_cpu`: its own venv's Python,
+`--enforce-eager`, bf16). The files are written in Helix's layout (headerless `batch,ms` rows starting with
+`0,0`) next to a `profile.yaml` naming the model, the workload, the date and the command.
 """
 
 from __future__ import annotations
@@ -13,19 +17,26 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import csv
+import datetime
 import json
+import os
 import shlex
 import socket
 import subprocess
+import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
+from typing import IO
 
 import httpx
+import yaml
 
-from coral.catalog.loader import CoralInputError
-from coral.perf.measured import PROFILE_FILES
+from coral import vllm_cpu
+from coral.catalog.loader import CoralInputError, load_file
+from coral.perf.measured import MANIFEST, PROFILE_FILES, ProfileManifest
 from coral.perf.model import Phase
 
 Launcher = Callable[[int], contextlib.AbstractContextManager[str]]
@@ -41,22 +52,30 @@ class ProfileSpec:
     decode_batches: Sequence[int] = (1, 4, 16, 64, 128)
     prompt_tokens: int = 512
     decode_steps: int = 32
+    repeats: int = 3
     extra_args: Sequence[str] = field(default_factory=tuple)
 
 
-def vllm_command(spec: ProfileSpec, layers: int, port: int) -> list[str]:
-    """The `vllm serve` command for one truncated-model run."""
-    return [
+def vllm_command(
+    spec: ProfileSpec, layers: int, port: int, python: str | None = None
+) -> tuple[list[str], dict[str, str]]:
+    """(argv, extra environment) of one truncated-model run: `vllm serve` on GPUs; on a CPU config the CPU
+    build's API server run by `python` (default `coral.vllm_cpu.vllm_python()`)."""
+    argv = [
         "vllm", "serve", spec.model_id,
         "--port", str(port),
         "--tensor-parallel-size", str(spec.tensor_parallel),
         "--hf-overrides", json.dumps({"num_hidden_layers": layers}),
-        "--load-format", "dummy",
         "--max-num-seqs", str(max(spec.decode_batches)),
         "--max-num-batched-tokens", str(max(spec.prefill_tokens)),
-        "--max-model-len", str(spec.prompt_tokens + spec.decode_steps + 16),
-        *spec.extra_args,
     ]
+    max_len = spec.prompt_tokens + spec.decode_steps + 16
+    if not vllm_cpu.is_cpu_config(spec.config):
+        return [*argv, "--load-format", "dummy", "--max-model-len", str(max_len), *spec.extra_args], {}
+    if spec.tensor_parallel != 1:
+        raise CoralInputError(f"config {spec.config}: vLLM on CPU profiles one process (1x{vllm_cpu.CPU_DEVICE})")
+    argv = vllm_cpu.api_server_argv(vllm_cpu.vllm_python(python), argv)
+    return [*argv, *vllm_cpu.cpu_server_args(max_len), *spec.extra_args], vllm_cpu.cpu_env()
 
 
 def free_port() -> int:
@@ -66,40 +85,48 @@ def free_port() -> int:
 
 
 def subprocess_launcher(
-    spec: ProfileSpec, command_template: str | None = None, ready_timeout: float = 900.0
+    spec: ProfileSpec, command_template: str | None = None, ready_timeout: float = 900.0, python: str | None = None
 ) -> Launcher:
-    """Start one engine per layer count: `vllm serve` or a template with {layers} and {port} placeholders."""
+    """Start one engine per layer count: `vllm_command` (`python` runs vLLM on CPU) or a template with {layers},
+    {port} and {model} placeholders. The engine's output goes to a temporary file, quoted when it fails."""
 
     @contextlib.contextmanager
     def launch(layers: int) -> Iterator[str]:
         port = free_port()
         if command_template:
             cmd = shlex.split(command_template.format(layers=layers, port=port, model=spec.model_id))
+            env: dict[str, str] = {}
         else:
-            cmd = vllm_command(spec, layers, port)
-        try:
-            proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        except FileNotFoundError as exc:
-            raise CoralInputError(f"cannot start {cmd[0]!r}: is vLLM installed on this GPU machine?") from exc
-        url = f"http://127.0.0.1:{port}"
-        try:
-            _wait_ready(url, proc, ready_timeout)
-            yield url
-        finally:
-            proc.terminate()
+            cmd, env = vllm_command(spec, layers, port, python)
+        with tempfile.TemporaryFile() as log:
             try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+                proc = subprocess.Popen(cmd, env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT)
+            except FileNotFoundError as exc:
+                raise CoralInputError(f"cannot start {cmd[0]!r}: is vLLM installed on this machine?") from exc
+            url = f"http://127.0.0.1:{port}"
+            try:
+                _wait_ready(url, proc, ready_timeout, log)
+                yield url
+            finally:
+                proc.terminate()
+                try:
+                    proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
 
     return launch
 
 
-def _wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float) -> None:
+def _wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float, log: IO[bytes]) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise CoralInputError(f"engine exited with code {proc.returncode} before it was ready")
+            log.seek(0)
+            tail = log.read().decode(errors="replace").splitlines()[-15:]
+            raise CoralInputError(
+                f"engine exited with code {proc.returncode} before it was ready; its last lines:\n" + "\n".join(tail)
+            )
         try:
             if httpx.get(f"{url}/health", timeout=2.0).status_code == 200:
                 return
@@ -144,20 +171,31 @@ async def measure_decode(client: httpx.AsyncClient, url: str, model: str, batch:
     return sum(per_step) / len(per_step)
 
 
+async def _fastest(repeats: int, measure: Callable[[], Awaitable[float]]) -> float:
+    """The fastest of `repeats` runs: interference from other work on the machine only ever adds time."""
+    return min([await measure() for _ in range(repeats)])
+
+
 async def _measure_all(url: str, spec: ProfileSpec) -> dict[Phase, list[float]]:
     async with httpx.AsyncClient(timeout=600.0) as client:
         await measure_prefill(client, url, spec.model_id, spec.prompt_tokens, spec.prompt_tokens)  # warm-up
-        prefill = [await measure_prefill(client, url, spec.model_id, b, spec.prompt_tokens)
+        m, n = spec.model_id, spec.repeats
+        prefill = [await _fastest(n, partial(measure_prefill, client, url, m, b, spec.prompt_tokens))
                    for b in spec.prefill_tokens]
-        decode = [await measure_decode(client, url, spec.model_id, b, spec.decode_steps) for b in spec.decode_batches]
+        decode = [await _fastest(n, partial(measure_decode, client, url, m, b, spec.decode_steps))
+                  for b in spec.decode_batches]
     return {Phase.PREFILL: prefill, Phase.DECODE: decode}
 
 
-def profile(spec: ProfileSpec, launcher: Launcher, out: Path) -> dict[Phase, list[tuple[int, float]]]:
-    """Measure both layer counts and write `<out>/<config>/{prompt,decode}_bs2time.csv` (per-layer ms)."""
+def profile(
+    spec: ProfileSpec, launcher: Launcher, out: Path, model: str | None = None, command: str | None = None
+) -> dict[Phase, list[tuple[int, float]]]:
+    """Measure both layer counts and write `<out>/<config>/{prompt,decode}_bs2time.csv` (per-layer ms, Helix
+    layout) and `<out>/profile.yaml` (catalog `model`, workload, date and the `command` that ran this)."""
     j1, j2 = spec.layer_counts
     if not 0 < j1 < j2:
         raise CoralInputError("layer_counts must be two increasing positive layer counts")
+    manifest = _manifest(spec, out, model, command)
     runs = {}
     for j in (j1, j2):
         with launcher(j) as url:
@@ -172,7 +210,27 @@ def profile(spec: ProfileSpec, launcher: Launcher, out: Path) -> dict[Phase, lis
             rows.append((int(b), max(slope, 1e-6) * 1e3))
         with (folder / PROFILE_FILES[phase]).open("w", newline="") as f:
             w = csv.writer(f)
-            w.writerow(["tokens", "ms"])
+            w.writerow([0, 0])
             w.writerows((b, f"{ms:.4f}") for b, ms in rows)
         written[phase] = rows
+    (out / MANIFEST).write_text(yaml.safe_dump(manifest.model_dump(exclude_none=True), sort_keys=False))
     return written
+
+
+def _manifest(spec: ProfileSpec, out: Path, model: str | None, command: str | None) -> ProfileManifest:
+    """`out`'s manifest with this run's model, workload and source (a folder holds one model's profiles)."""
+    old = load_file(ProfileManifest, out / MANIFEST) if (out / MANIFEST).exists() else ProfileManifest()
+    if model and old.model and old.model != model:
+        raise CoralInputError(f"{out / MANIFEST}: the folder holds profiles of {old.model}, not {model}")
+    date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d")
+    source = (f"{spec.config}: measured {date} by `{command or 'coral.perf.profiler.profile'}` "
+              f"(layer counts {spec.layer_counts[0]} and {spec.layer_counts[1]}, dummy weights, fastest of "
+              f"{spec.repeats} runs; prefill bursts of {spec.prompt_tokens}-token prompts, decode "
+              f"{spec.decode_steps} steps of 8-token prompts)")
+    others = [line for line in (old.source or "").splitlines() if not line.startswith(f"{spec.config}:")]
+    return old.model_copy(update={
+        "model": model or old.model,
+        "input_tokens": float(spec.prompt_tokens),
+        "output_tokens": float(spec.decode_steps),
+        "source": "\n".join([*others, source]),
+    })

@@ -1,6 +1,9 @@
 """Analytic roofline performance model: prefill/decode step time of a node holding j layers.
 
-Step time = max(compute, memory traffic) + tensor-parallel all-reduce + pipeline send + fixed overhead.
+Per-layer time: prefill = max(compute, memory traffic); decode = max(GEMM compute, weight streaming) + KV-cache
+read by attention (its own bandwidth efficiency: the batch-dependent term); both plus the tensor-parallel
+all-reduce. Step time = layers x per-layer time + pipeline send + fixed overhead. Efficiencies are per GPU type
+(`gpu_overrides`, fitted from measured profiles by `coral perf calibrate`; `gpu_fallbacks` borrow another GPU's).
 Memory: weights of the held layers plus the KV cache must fit in `gpu_memory_utilization` of the GPUs.
 """
 
@@ -12,7 +15,7 @@ from pathlib import Path
 from typing import Literal
 
 import numpy as np
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from coral.catalog.loader import NodeConfig, data_path, load_file
 from coral.catalog.schema import ModelArch, _Strict
@@ -22,10 +25,14 @@ GB = 1e9
 
 
 class EfficiencyOverride(_Strict):
+    """Per-GPU values replacing the top-level ones; unset fields keep the top-level value."""
+
     compute_efficiency: float | None = Field(default=None, gt=0, le=1)
     memory_efficiency: float | None = Field(default=None, gt=0, le=1)
+    attention_efficiency: float | None = Field(default=None, gt=0, le=1)
     interconnect_efficiency: float | None = Field(default=None, gt=0, le=1)
     step_overhead_ms: float | None = Field(default=None, ge=0)
+    source: str | None = None
 
 
 class PerfParams(_Strict):
@@ -34,6 +41,7 @@ class PerfParams(_Strict):
     schema_version: Literal[1] = 1
     compute_efficiency: float = Field(gt=0, le=1)
     memory_efficiency: float = Field(gt=0, le=1)
+    attention_efficiency: float = Field(gt=0, le=1)
     interconnect_efficiency: float = Field(gt=0, le=1)
     allreduce_latency_us: dict[Literal["nvlink", "pcie"], float]
     step_overhead_ms: float = Field(ge=0)
@@ -45,13 +53,25 @@ class PerfParams(_Strict):
     max_prefill_batch_tokens: int = Field(gt=0)
     max_decode_batch: int = Field(gt=0)
     gpu_overrides: dict[str, EfficiencyOverride] = Field(default_factory=dict)
+    gpu_fallbacks: dict[str, str] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _fallbacks_resolve(self) -> PerfParams:
+        for gpu, other in self.gpu_fallbacks.items():
+            if other not in self.gpu_overrides:
+                raise ValueError(f"gpu_fallbacks.{gpu}: {other!r} has no entry in gpu_overrides")
+        return self
 
     def for_gpu(self, gpu: str) -> PerfParams:
-        o = self.gpu_overrides.get(gpu)
+        """These params with the GPU's own override applied (or that of its fallback GPU)."""
+        o = self.gpu_overrides.get(gpu) or self.gpu_overrides.get(self.gpu_fallbacks.get(gpu, ""))
         if o is None:
             return self
-        patch = {k: v for k, v in o.model_dump().items() if v is not None}
+        patch = {k: v for k, v in o.model_dump(exclude={"source"}).items() if v is not None}
         return self.model_copy(update=patch)
+
+    def with_override(self, gpu: str, override: EfficiencyOverride) -> PerfParams:
+        return self.model_copy(update={"gpu_overrides": {**self.gpu_overrides, gpu: override}})
 
     @classmethod
     def load(cls, path: str | Path | None = None) -> PerfParams:
@@ -188,6 +208,45 @@ class RooflineModel:
         lat = p.allreduce_latency_us[node.gpu.interconnect] * 1e-6
         return 2.0 * (g - 1) / g * nbytes / bw + 2.0 * (g - 1) * lat
 
+    def layer_time(
+        self,
+        model: ModelArch,
+        phase: Phase,
+        node: NodeConfig,
+        batch: np.ndarray | float,
+        workload: Workload,
+        params: PerfParams | None = None,
+    ) -> np.ndarray:
+        """Seconds one layer takes for `batch` prompt tokens (prefill) or sequences (decode), all-reduce included;
+        `params` (default: this model's, with the GPU's override) lets calibration try other values."""
+        sh = self.shape(model)
+        p = params or self.params.for_gpu(node.gpu.name)
+        tokens = np.asarray(batch, dtype=float)
+        heads_dim = model.num_attention_heads * sh.head_dim
+        g = node.count
+        peak_flops = g * node.gpu.tflops * 1e12 * p.compute_efficiency
+        bandwidth = g * node.gpu.mem_bw_gbs * GB
+        dense_bytes = (sh.attn_params + sh.dense_mlp_params) * 2.0
+        weight_bytes = dense_bytes + sh.experts_touched(tokens) * sh.expert_bytes
+        gemm_flops = 2.0 * sh.active_params * tokens
+        if phase is Phase.PREFILL:
+            attn_ctx = sh.attended_tokens(workload.input_tokens / 2.0)
+            compute = (gemm_flops + 4.0 * tokens * attn_ctx * heads_dim) / peak_flops
+            memory = (weight_bytes + tokens * sh.kv_bytes_per_token) / (bandwidth * p.memory_efficiency)
+            core = np.maximum(compute, memory)
+        else:
+            kv_read = tokens * sh.attended_tokens(workload.decode_context) * sh.kv_bytes_per_token
+            dense = np.maximum(gemm_flops / peak_flops, weight_bytes / (bandwidth * p.memory_efficiency))
+            core = dense + kv_read / (bandwidth * p.attention_efficiency)
+        comm = 2.0 * self._allreduce_s(node, tokens * model.hidden_size * 2.0, p)
+        return np.asarray(core + comm)
+
+    def send_time(self, model: ModelArch, node: NodeConfig, batch: np.ndarray | float) -> np.ndarray:
+        """Seconds to send a batch's activations to the next pipeline stage over the node's NIC (top-level
+        interconnect efficiency: the per-GPU values describe the intra-node all-reduce)."""
+        nic = node.nic_gbps * GB / 8 * self.params.interconnect_efficiency
+        return np.asarray(batch, dtype=float) * model.hidden_size * 2.0 / nic
+
     def step_time(
         self,
         model: ModelArch,
@@ -199,31 +258,11 @@ class RooflineModel:
         send_activations: bool = False,
     ) -> np.ndarray:
         """Seconds for one step of `batch` prompt tokens (prefill) or sequences (decode) over `layers` layers."""
-        sh = self.shape(model)
         p = self.params.for_gpu(node.gpu.name)
         j = np.asarray(layers, dtype=float)
-        b = np.asarray(batch, dtype=float)
-        a = model
-        heads_dim = a.num_attention_heads * sh.head_dim
-        if phase is Phase.PREFILL:
-            tokens = b
-            attn_ctx = sh.attended_tokens(workload.input_tokens / 2.0)
-            kv_traffic = tokens * sh.kv_bytes_per_token
-        else:
-            tokens = b
-            attn_ctx = sh.attended_tokens(workload.decode_context)
-            kv_traffic = b * attn_ctx * sh.kv_bytes_per_token
-        flops = 2.0 * sh.active_params * tokens + 4.0 * tokens * attn_ctx * heads_dim
-        dense_bytes = (sh.attn_params + sh.dense_mlp_params) * 2.0
-        weight_bytes = dense_bytes + sh.experts_touched(tokens) * sh.expert_bytes
-        g = node.count
-        compute = flops / (g * node.gpu.tflops * 1e12 * p.compute_efficiency)
-        memory = (weight_bytes + kv_traffic) / (g * node.gpu.mem_bw_gbs * GB * p.memory_efficiency)
-        comm = 2.0 * self._allreduce_s(node, tokens * a.hidden_size * 2.0, p)
-        per_layer = np.maximum(compute, memory) + comm
-        t = j * per_layer + p.step_overhead_ms * 1e-3
+        t = j * self.layer_time(model, phase, node, batch, workload) + p.step_overhead_ms * 1e-3
         if send_activations:
-            t = t + tokens * a.hidden_size * 2.0 / (node.nic_gbps * GB / 8 * p.interconnect_efficiency)
+            t = t + self.send_time(model, node, batch)
         return np.asarray(t)
 
     # --- throughput under a latency budget ----------------------------------------------------------

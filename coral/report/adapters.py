@@ -6,11 +6,19 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from pydantic import BaseModel
 
 from coral.catalog.loader import CoralInputError, _read_structured, load_scenario, validate
 from coral.catalog.schema import Scenario
-from coral.report.inputs import EpochPoint, LatencySeries, ReportInputs, adapt_inputs
+from coral.report.inputs import (
+    EpochPoint,
+    LatencySeries,
+    MethodResult,
+    ReportInputs,
+    TimeSeries,
+    adapt_inputs,
+)
 from coral.simulation.metrics import LatencyStats, SimResult
 
 
@@ -44,6 +52,7 @@ def inputs_from_sim(result: SimResult, scenario: Scenario | None = None, method:
             count=m.requests,
             ttft_attainment=m.ttft_attainment,
             tpot_attainment=m.tpot_attainment,
+            slo_attainment=m.slo_attainment,
         )
         for m in result.models
     }
@@ -57,7 +66,54 @@ def inputs_from_sim(result: SimResult, scenario: Scenario | None = None, method:
         )
         for e in result.epochs
     ]
-    return ReportInputs(epochs=epochs, latency=latency)
+    return ReportInputs(
+        epochs=epochs,
+        latency=latency,
+        overall_attainment=result.slo_attainment,
+        timeseries=timeseries_from_sim(result),
+        scenario=result.scenario,
+        plan_fingerprint=result.plan_fingerprint,
+    )
+
+
+def timeseries_from_sim(result: SimResult, bins: int = 60, min_bin_s: float = 10.0) -> TimeSeries | None:
+    """Arrival rate, p99 TTFT / TPOT of the requests arriving in each bin, and queue depth (arrived, not yet
+    decoding) at each bin's end, per model; None when the per-request record is gone (a result read from JSON)."""
+    req = result.per_request()
+    if not req or not len(req.get("arrival_s", ())):
+        return None
+    bin_s = max(min_bin_s, result.duration_s / bins)
+    n = max(1, int(np.ceil(result.duration_s / bin_s)))
+    edges = np.arange(n + 1) * bin_s
+    arrival, admit = req["arrival_s"], np.nan_to_num(req["decode_admit_s"], nan=np.inf)
+    ts = TimeSeries(t_s=[float(x) for x in edges[:-1]], bin_s=bin_s)
+
+    def p99(values: np.ndarray) -> float | None:
+        values = values[np.isfinite(values)]
+        return float(np.percentile(values, 99) * 1e3) if len(values) else None
+
+    for k, m in enumerate(result.models):
+        sel = req["model"] == k
+        arr, adm = arrival[sel], admit[sel]
+        which = np.minimum((arr // bin_s).astype(np.int64), n - 1)
+        ttft, tpot = req["ttft_s"][sel], req["tpot_s"][sel]
+        ts.rate[m.model] = [float(c) / bin_s for c in np.bincount(which, minlength=n)[:n]]
+        ts.ttft_p99_ms[m.model] = [p99(ttft[which == b]) for b in range(n)]
+        ts.tpot_p99_ms[m.model] = [p99(tpot[which == b]) for b in range(n)]
+        ts.queue[m.model] = [float(((arr <= e) & (adm > e)).sum()) for e in edges[1:]]
+    return ts
+
+
+def method_result(result: SimResult, method: str, how: str) -> MethodResult:
+    """One method's simulated SLO attainment, goodput and cost, for the report's side-by-side table."""
+    return MethodResult(
+        method=method,
+        how=how,
+        slo_attainment=result.slo_attainment,
+        goodput_tokens_s=result.goodput_tokens_s,
+        cost_per_hour=result.mean_cost_per_hour,
+        by_model={m.model: m.slo_attainment for m in result.models},
+    )
 
 
 def as_inputs(

@@ -4,12 +4,17 @@
                                             "latency": {...}}))
 
 `/dashboard` serves the page (same template and renderer as `coral report`); its script polls
-`/dashboard/state.json` (the view model of the current state) and redraws without a reload.
+`/dashboard/state.json` (the view model of the current state) and redraws without a reload. Each poll also
+adds a point to rolling time series (request rate, requests in flight, p99 TTFT / TPOT against the SLOs).
 """
 
 from __future__ import annotations
 
+import threading
+import time
+from collections import deque
 from collections.abc import Callable, Mapping
+from itertools import pairwise
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -107,17 +112,70 @@ def live_view(state: Mapping[str, Any] | None) -> dict[str, Any]:
     return vm
 
 
+class LiveHistory:
+    """Rolling per-model series of the live state, one point per poll (the newest `keep`): request rate (from
+    the growth of the instances' request counters), requests in flight, and p99 TTFT / TPOT when the latency
+    summary has them (`ttft_p99_ms`, `tpot_p99_ms`)."""
+
+    def __init__(self, keep: int = 300, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self.t0: float | None = None
+        self.points: deque[tuple[float, dict[str, dict[str, float]]]] = deque(maxlen=keep)
+        self.lock = threading.Lock()
+
+    def record(self, vm: Mapping[str, Any]) -> dict[str, Any] | None:
+        """Add the view's state as a point; return the series in the report's `timeseries` shape."""
+        live = vm.get("live") or {}
+        per: dict[str, dict[str, float]] = {}
+        for r in live.get("instances", []):
+            m = per.setdefault(r["model"], {"requests": 0.0, "inflight": 0.0})
+            m["requests"] += r["requests"]
+            m["inflight"] += r["inflight"]
+        for row in live.get("latency_summary", []):
+            for key in ("ttft_p99_ms", "tpot_p99_ms"):
+                if key in row and row["model"] in per:
+                    per[row["model"]][key] = float(row[key])
+        with self.lock:
+            now = self.clock()
+            self.t0 = now if self.t0 is None else self.t0
+            self.points.append((now - self.t0, per))
+            return self._series()
+
+    def _series(self) -> dict[str, Any] | None:
+        if not self.points:
+            return None
+        models = sorted({m for _, per in self.points for m in per})
+        out: dict[str, Any] = {"bin_s": 0.0, "queue_label": "Requests in flight",
+                               "rate": {}, "queue": {}, "ttft_p99_ms": {}, "tpot_p99_ms": {}}
+        pts = list(self.points)
+        for m in models:
+            out["queue"][m] = [[t, per[m]["inflight"]] for t, per in pts if m in per]
+            for key in ("ttft_p99_ms", "tpot_p99_ms"):
+                out[key][m] = [[t, per[m][key]] for t, per in pts if key in per.get(m, {})]
+            out["rate"][m] = [
+                [t1, max(0.0, (b[m]["requests"] - a[m]["requests"]) / (t1 - t0))]
+                for (t0, a), (t1, b) in pairwise(pts)
+                if m in a and m in b and t1 > t0
+            ]
+        if len(pts) > 1:
+            out["bin_s"] = (pts[-1][0] - pts[0][0]) / (len(pts) - 1)
+        return out
+
+
 def make_router(
     state_provider: Callable[[], Mapping[str, Any] | None], *, interval_ms: int = DEFAULT_INTERVAL_MS
 ) -> APIRouter:
     """Router with GET /dashboard (HTML page) and GET /dashboard/state.json (the current view model)."""
     router = APIRouter()
+    history = LiveHistory()
 
     def current() -> dict[str, Any]:
         try:
-            return live_view(state_provider())
+            vm = live_view(state_provider())
         except Exception as exc:  # the provider belongs to the runtime; show its failure, keep serving
             return _empty_view(f"state provider failed: {type(exc).__name__}: {exc}", [])
+        vm["timeseries"] = history.record(vm)
+        return vm
 
     @router.get("/dashboard/state.json", name="coral_dashboard_state")
     def dashboard_state() -> JSONResponse:

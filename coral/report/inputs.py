@@ -54,6 +54,9 @@ class LatencySeries(_Tolerant):
     tpot_attainment: float | None = Field(
         default=None, ge=0, le=1, description="exact share within the TPOT SLO"
     )
+    slo_attainment: float | None = Field(
+        default=None, ge=0, le=1, description="exact share meeting both SLOs (unfinished requests fail)"
+    )
 
     @field_validator("ttft_ms", "tpot_ms")
     @classmethod
@@ -71,12 +74,40 @@ class LatencySeries(_Tolerant):
         return v
 
 
+class MethodResult(_Tolerant):
+    """A simulated run of one method's plan (Coral or a baseline), for the side-by-side SLO comparison."""
+
+    method: str
+    how: str = Field(default="", description="e.g. 'fixed plan' or 're-planned every epoch'")
+    slo_attainment: float = Field(ge=0, le=1)
+    goodput_tokens_s: float = Field(default=0.0, ge=0)
+    cost_per_hour: float = Field(default=0.0, ge=0, description="mean simulated provisioning $/h")
+    by_model: dict[str, float] = Field(default_factory=dict, description="SLO attainment per model")
+
+
+class TimeSeries(_Tolerant):
+    """Per-model series over simulated (or wall) time: arrival rate, latency of the requests arriving in each
+    bin, and queue depth (requests arrived but not yet decoding) at each bin's end. None = no data."""
+
+    t_s: list[float] = Field(default_factory=list, description="bin starts, s")
+    bin_s: float = Field(default=60.0, gt=0)
+    rate: dict[str, list[float | None]] = Field(default_factory=dict, description="requests/s")
+    ttft_p99_ms: dict[str, list[float | None]] = Field(default_factory=dict)
+    tpot_p99_ms: dict[str, list[float | None]] = Field(default_factory=dict)
+    queue: dict[str, list[float | None]] = Field(default_factory=dict)
+
+
 class ReportInputs(_Tolerant):
     """Everything beyond the plan that the report can show; every part optional."""
 
     schema_version: int = REPORT_INPUTS_SCHEMA_VERSION
     epochs: list[EpochPoint] = Field(default_factory=list)
     latency: dict[str, LatencySeries] = Field(default_factory=dict)
+    overall_attainment: float | None = Field(default=None, ge=0, le=1, description="all models, both SLOs")
+    methods: list[MethodResult] = Field(default_factory=list)
+    timeseries: TimeSeries | None = None
+    scenario: str = Field(default="", description="scenario the results belong to")
+    plan_fingerprint: str = Field(default="", description="coral.report.view.plan_fingerprint of the plan run")
 
     @field_validator("schema_version")
     @classmethod
@@ -88,8 +119,18 @@ class ReportInputs(_Tolerant):
         return v
 
     def merged(self, other: ReportInputs) -> ReportInputs:
-        """Epochs of both; latency of `other` overrides per model."""
-        return ReportInputs(epochs=[*self.epochs, *other.epochs], latency={**self.latency, **other.latency})
+        """Epochs and method runs of both; latency of `other` overrides per model, its other parts when set."""
+        return ReportInputs(
+            epochs=[*self.epochs, *other.epochs],
+            latency={**self.latency, **other.latency},
+            overall_attainment=(
+                self.overall_attainment if other.overall_attainment is None else other.overall_attainment
+            ),
+            methods=[*self.methods, *other.methods],
+            timeseries=other.timeseries or self.timeseries,
+            scenario=other.scenario or self.scenario,
+            plan_fingerprint=other.plan_fingerprint or self.plan_fingerprint,
+        )
 
 
 def _num(record: Mapping[str, Any], ms_key: str, s_key: str) -> float | None:
@@ -151,8 +192,8 @@ def adapt_inputs(
     if requests:
         slo_raw = raw.get("slos") or {}
         slos = {m: (s.get("ttft_ms"), s.get("tpot_ms")) for m, s in slo_raw.items() if isinstance(s, Mapping)}
-        inputs = ReportInputs(
-            epochs=inputs.epochs, latency={**latency_from_requests(requests, slos), **inputs.latency}
+        inputs = inputs.model_copy(
+            update={"latency": {**latency_from_requests(requests, slos), **inputs.latency}}
         )
     return inputs
 

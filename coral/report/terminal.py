@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
+from typing import Any
 
 from rich.console import Console
 from rich.progress import (
@@ -18,7 +19,15 @@ from rich.table import Table
 
 from coral.allocation.plan import Plan, PlanInstance
 from coral.report.inputs import ReportInputs
-from coral.report.view import comparison, instance_groups, latency_charts
+from coral.report.view import comparison, instance_groups, latency_charts, solver_in_words
+
+
+class FoldingTable(Table):
+    """A rich Table whose cells fold onto more lines instead of being cut with '…' in a narrow terminal."""
+
+    def add_column(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("overflow", "fold")
+        super().add_column(*args, **kwargs)
 
 
 def layout_text(inst: PlanInstance) -> str:
@@ -36,7 +45,7 @@ def _money(v: float) -> str:
 
 def plan_tables(plan: Plan) -> list[Table]:
     """The serving (demand/capacity/cost per model and phase) and instance tables of a plan."""
-    serving = Table(
+    serving = FoldingTable(
         title=f"Plan {plan.scenario} · {plan.method} · {plan.mode} · {_money(plan.cost_per_hour)}"
     )
     for col in ("model", "phase"):
@@ -59,8 +68,8 @@ def plan_tables(plan: Plan) -> list[Table]:
         "total", "", "", "", "", str(len(plan.instances)), _money(plan.cost_per_hour), style="bold"
     )
 
-    instances = Table(title="Instances (identical ones grouped)")
-    instances.add_column("instance", no_wrap=True)
+    instances = FoldingTable(title="Instances (identical ones grouped)")
+    instances.add_column("instance")
     instances.add_column("layout (stage → stage)", ratio=1)
     instances.add_column("tok/s each", justify="right")
     instances.add_column("$/h each", justify="right")
@@ -81,17 +90,18 @@ def print_plan(plan: Plan, console: Console | None = None) -> None:
     for table in plan_tables(plan):
         console.print(table)
     sv = plan.solve
-    gap = f", gap {sv.gap:.2%}" if sv.gap else ""
-    console.print(f"solver: {sv.status} in {sv.time_s:.2f} s{gap}; penalty {_money(plan.penalty_per_hour)}")
+    console.print(f"solver: {solver_in_words(sv)}")
+    if plan.penalty_per_hour:
+        console.print(f"scale-up penalty against the running plan: {_money(plan.penalty_per_hour)}")
     for note in sv.notes:
-        console.print(f"[yellow]note:[/] {note}")
+        console.print(f"[dim]solver detail: {note}[/]")
 
 
 def print_comparison(plan: Plan, baselines: Sequence[Plan], console: Console | None = None) -> None:
     """Cost per model and total per method, with the ratio baseline / plan."""
     console = console or Console()
     cmp = comparison(plan, baselines)
-    table = Table(title="Comparison with baselines")
+    table = FoldingTable(title="Comparison with baselines (costs in $/h)")
     table.add_column("method")
     for col in [*cmp["models"], "served", "total", f"vs {plan.method}"]:
         table.add_column(col, justify="right")
@@ -99,9 +109,9 @@ def print_comparison(plan: Plan, baselines: Sequence[Plan], console: Console | N
         ratio = "–" if r["ratio"] is None else f"{r['ratio']:.2f}×"
         table.add_row(
             r["method"],
-            *(_money(r["by_model"][m]) for m in cmp["models"]),
+            *(f"{r['by_model'][m]:,.2f}" for m in cmp["models"]),
             f"{r['min_served_fraction']:.1%}",
-            _money(r["cost_per_hour"]),
+            f"{r['cost_per_hour']:,.2f}",
             ratio,
         )
     console.print(table)
@@ -111,7 +121,7 @@ def print_inputs(inputs: ReportInputs, default_method: str = "", console: Consol
     """Per-epoch series and latency-vs-SLO tables of an experiment or simulation."""
     console = console or Console()
     if inputs.epochs:
-        table = Table(title="Per epoch")
+        table = FoldingTable(title="Per epoch")
         table.add_column("method")
         for col in ("epoch", "cost", "goodput tok/s", "churn"):
             table.add_column(col, justify="right")
@@ -126,7 +136,7 @@ def print_inputs(inputs: ReportInputs, default_method: str = "", console: Consol
         console.print(table)
     charts = latency_charts(inputs.latency)
     if charts:
-        table = Table(title="Latency against SLOs (ms)")
+        table = FoldingTable(title="Latency against SLOs (ms)")
         for col in ("model", "metric"):
             table.add_column(col)
         for col in ("n", "p50", "p90", "p99", "SLO", "within SLO"):

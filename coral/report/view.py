@@ -6,6 +6,8 @@ tests can check them against the plan without a browser.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import zlib
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
@@ -13,15 +15,16 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from coral.allocation.plan import Plan, PlanInstance
-from coral.catalog.loader import Catalog, builtin_catalog
-from coral.catalog.schema import parse_config_name
+from coral.allocation.plan import Plan, PlanInstance, SolveReport
+from coral.catalog.loader import Catalog, CoralInputError, builtin_catalog, load_scenario
+from coral.catalog.schema import Scenario, parse_config_name
 from coral.report.adapters import as_inputs
 from coral.report.inputs import (
     MAX_CDF_POINTS,
     EpochPoint,
     LatencySeries,
     ReportInputs,
+    TimeSeries,
     adapt_inputs,
     cdf_at,
     cdf_points,
@@ -30,6 +33,8 @@ from coral.report.inputs import (
 from coral.simulation.metrics import SimResult
 
 VIEW_VERSION = 1
+#: a model passes an SLO when at least this share of its requests meets it
+SLO_TARGET = 0.9
 # Dark enough for white labels; indexed by catalog GPU order, so a GPU type keeps its colour across reports.
 PALETTE = (
     "#1B9E9E", "#D55E00", "#009E73", "#CC79A7", "#6A3D9A", "#B8860B", "#0072B2", "#8C564B",
@@ -97,7 +102,26 @@ def _group_key(inst: PlanInstance) -> tuple[str, str, str, int, str]:
     return (inst.model, inst.phase, inst.region, inst.template_id, layout)
 
 
-def instance_groups(plan: Plan) -> list[dict[str, Any]]:
+def plan_fingerprint(plan: Plan) -> str:
+    """Short hash of what a simulation of the plan depends on: scenario, demand scale and every instance's
+    model, phase, region and stage layout (not ids, times or solver details)."""
+    instances = sorted(
+        json.dumps([i.model, i.phase, i.region, [[s.first_layer, s.layers, sorted(s.nodes)] for s in i.stages]])
+        for i in plan.instances
+    )
+    text = json.dumps([plan.scenario, plan.demand_scale, instances])
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def engines_for(inst: PlanInstance, catalog: Catalog) -> dict[str, Any]:
+    """Which engines can run an instance: the Coral engine runs every template; stock vLLM only some layouts."""
+    from coral.deploy.vllm import realisable
+
+    check = realisable(inst, catalog.models.get(inst.model), inst.phase)
+    return {"coral": True, "vllm": check.ok, "vllm_reason": check.reason}
+
+
+def instance_groups(plan: Plan, catalog: Catalog | None = None) -> list[dict[str, Any]]:
     """Identical instances (same model, phase, region, template, layout) drawn once with a count."""
     groups: dict[tuple[str, str, str, int, str], list[PlanInstance]] = {}
     for inst in plan.instances:
@@ -119,6 +143,7 @@ def instance_groups(plan: Plan) -> list[dict[str, Any]]:
                 "heterogeneous": first.heterogeneous,
                 "n_nodes": first.n_nodes,
                 "counts": dict(sorted(first.counts.items())),
+                "engines": engines_for(first, catalog) if catalog is not None else None,
                 "stages": [
                     {
                         "index": k,
@@ -142,6 +167,29 @@ def instance_groups(plan: Plan) -> list[dict[str, Any]]:
     return out
 
 
+def solver_in_words(sv: SolveReport) -> str:
+    """The solver's outcome in plain words: proven cheapest, stopped early (and how far from the best it can be),
+    no feasible plan, or a rule without a solver."""
+    status = sv.status.lower()
+    took = f" ({sv.time_s:.2f} s)"
+    if status == "greedy":
+        return "picked by a greedy rule, no solver" + took
+    if status == "optimal":
+        return "the solver found the cheapest plan and proved that no cheaper one exists" + took
+    if "infeasible" in status:
+        return "the solver found no plan that meets the demand with the nodes available" + took
+    if sv.objective is None:
+        return f"the solver found no plan ({sv.status})" + took
+    if "time limit" in status:
+        words = "the solver stopped at its time limit"
+    else:
+        words = f"the solver stopped early ({sv.status})"
+    if sv.gap is not None and sv.bound is not None:
+        words += (f"; the plan's objective ({sv.objective:,.2f}) is at most {sv.gap:.1%} above the best any plan "
+                  f"could reach ({sv.bound:,.2f})")
+    return words + took
+
+
 def summary(plan: Plan) -> dict[str, Any]:
     n_nodes = sum(i.n_nodes for i in plan.instances)
     n_gpus = sum(gpus_in(c) * n for i in plan.instances for c, n in i.counts.items())
@@ -160,6 +208,7 @@ def summary(plan: Plan) -> dict[str, Any]:
         "min_served_fraction": min((s.served_fraction for s in plan.serving), default=1.0),
         "created_at": plan.created_at,
         "solve": plan.solve.model_dump(mode="json"),
+        "solve_words": solver_in_words(plan.solve),
     }
 
 
@@ -196,6 +245,108 @@ def comparison(plan: Plan, baselines: Sequence[Plan]) -> dict[str, Any]:
             }
         )
     return {"models": models, "rows": rows}
+
+
+def savings(plan: Plan, baselines: Sequence[Plan]) -> list[dict[str, Any]]:
+    """Where the plan's saving against each baseline comes from: $/h per (model, phase), largest first."""
+    mine = {(s.model, s.phase): s.cost_per_hour for s in plan.serving}
+    out = []
+    for b in baselines:
+        theirs = {(s.model, s.phase): s.cost_per_hour for s in b.serving}
+        keys = sorted(set(mine) | set(theirs), key=lambda k: (mine.get(k, 0.0) - theirs.get(k, 0.0), k))
+        rows: list[dict[str, Any]] = [
+            {"model": m, "phase": ph, "plan": mine.get((m, ph), 0.0), "baseline": theirs.get((m, ph), 0.0),
+             "saving": theirs.get((m, ph), 0.0) - mine.get((m, ph), 0.0)}
+            for m, ph in keys
+        ]
+        total = b.cost_per_hour - plan.cost_per_hour
+        top = rows[0] if rows and rows[0]["saving"] > 0 else None
+        if total > 0 and top:
+            text = (f"{plan.method} costs ${total:,.2f}/h less than {b.method} "
+                    f"({total / b.cost_per_hour:.0%}); the largest part, ${top['saving']:,.2f}/h, "
+                    f"is {top['model']} {top['phase']}.")
+        elif total > 0:
+            text = f"{plan.method} costs ${total:,.2f}/h less than {b.method}."
+        else:
+            text = f"{plan.method} costs ${-total:,.2f}/h more than {b.method}."
+        out.append({"method": b.method, "total": total, "text": text, "rows": rows})
+    return out
+
+
+def slo_section(inputs: ReportInputs, target: float = SLO_TARGET) -> dict[str, Any] | None:
+    """Overall and per-model SLO attainment with pass/fail per SLO (pass: at least `target` of requests)."""
+    if not inputs.latency:
+        return None
+    models = []
+    for model, lat in sorted(inputs.latency.items()):
+        ttft = lat.ttft_attainment
+        tpot = lat.tpot_attainment
+        if ttft is None and lat.slo_ttft_ms is not None and lat.ttft_ms:
+            ttft = cdf_at(cdf_points(lat.ttft_ms), lat.slo_ttft_ms)
+        if tpot is None and lat.slo_tpot_ms is not None and lat.tpot_ms:
+            tpot = cdf_at(cdf_points(lat.tpot_ms), lat.slo_tpot_ms)
+        models.append({
+            "model": model,
+            "slo_ttft_ms": lat.slo_ttft_ms,
+            "slo_tpot_ms": lat.slo_tpot_ms,
+            "ttft_attainment": ttft,
+            "tpot_attainment": tpot,
+            "attainment": lat.slo_attainment,
+            "ttft_pass": None if ttft is None else ttft >= target,
+            "tpot_pass": None if tpot is None else tpot >= target,
+            "pass": None if lat.slo_attainment is None else lat.slo_attainment >= target,
+        })
+    overall = inputs.overall_attainment
+    return {
+        "target": target,
+        "overall": overall,
+        "overall_pass": None if overall is None else overall >= target,
+        "models": models,
+    }
+
+
+def demand_section(scenario: Scenario | None) -> list[dict[str, Any]]:
+    """The workload the plan was sized for: rate, mean tokens, SLOs and trace per model."""
+    if scenario is None:
+        return []
+    return [
+        {"model": m.model, "request_rate": m.request_rate, "mean_input_tokens": m.mean_input_tokens,
+         "mean_output_tokens": m.mean_output_tokens, "slo_ttft_ms": m.prefill_slo_ms,
+         "slo_tpot_ms": m.decode_slo_ms, "trace": m.trace}
+        for m in scenario.models
+    ]
+
+
+def timeseries_view(ts: TimeSeries | None) -> dict[str, Any] | None:
+    """Time series as [[t, value], ...] per model and metric (bins without data left out)."""
+    if ts is None or not ts.t_s:
+        return None
+
+    def pts(series: dict[str, list[float | None]]) -> dict[str, list[list[float]]]:
+        return {m: [[t, v] for t, v in zip(ts.t_s, vals, strict=False) if v is not None]
+                for m, vals in sorted(series.items())}
+
+    return {"bin_s": ts.bin_s, "rate": pts(ts.rate), "ttft_p99_ms": pts(ts.ttft_p99_ms),
+            "tpot_p99_ms": pts(ts.tpot_p99_ms), "queue": pts(ts.queue)}
+
+
+def mismatch_notes(plan: Plan, inputs: ReportInputs) -> list[str]:
+    """Warnings when the simulation results given were not produced by this plan."""
+    notes = []
+    if inputs.scenario and inputs.scenario != plan.scenario:
+        notes.append(f"the simulation given is of scenario {inputs.scenario!r}, this plan of {plan.scenario!r}: "
+                     "its latencies and SLO attainment do not describe this plan")
+    elif inputs.plan_fingerprint and inputs.plan_fingerprint != plan_fingerprint(plan):
+        notes.append(f"the simulation given ran another plan (fingerprint {inputs.plan_fingerprint}, this plan "
+                     f"{plan_fingerprint(plan)}): its latencies and SLO attainment do not describe this plan")
+    return notes
+
+
+def _scenario_named(name: str) -> Scenario | None:
+    try:
+        return load_scenario(name)
+    except CoralInputError:
+        return None
 
 
 def epoch_series(points: Sequence[EpochPoint], default_method: str) -> list[dict[str, Any]]:
@@ -316,12 +467,15 @@ def view_model(
     epochs: Sequence[EpochPoint | Mapping[str, Any]] | None = None,
     live: Iterable[Mapping[str, Any]] | None = None,
     catalog: Catalog | None = None,
+    scenario: Scenario | None = None,
+    slo_target: float = SLO_TARGET,
 ) -> dict[str, Any]:
     """Everything the page renders, as plain JSON types.
 
     `sim` carries latency (and maybe epochs): a SimResult or ReportInputs (or their dicts), see
     `coral.report.inputs`; `epochs` adds per-epoch points;
     `live` is the runtime's instance list [{id, state, inflight, requests, weight}] for the dashboard.
+    `scenario` (default: the built-in one the plan names, if any) gives the demand assumptions;
     `notes` are warnings shown prominently; the solver's own notes stay in `summary.solve.notes`.
     """
     catalog = catalog or builtin_catalog()
@@ -333,6 +487,8 @@ def view_model(
     total = sum(i.cost_per_hour for i in plan.instances)
     if abs(total - plan.cost_per_hour) > 1e-6 * max(1.0, plan.cost_per_hour):
         notes.append(f"instances add up to ${total:.2f}/h but the plan states ${plan.cost_per_hour:.2f}/h")
+    notes.extend(mismatch_notes(plan, inputs))
+    scenario = scenario or _scenario_named(plan.scenario)
     return {
         "version": VIEW_VERSION,
         "title": f"Coral plan — {plan.scenario} ({plan.method})",
@@ -340,8 +496,13 @@ def view_model(
         "gpu_colors": gpu_colors(gpus, catalog),
         "serving": serving_rows(plan),
         "costs": cost_breakdowns(plan, catalog),
-        "instance_groups": instance_groups(plan),
+        "instance_groups": instance_groups(plan, catalog),
         "comparison": comparison(plan, baselines) if baselines else None,
+        "savings": savings(plan, baselines),
+        "slo": slo_section(inputs, slo_target),
+        "methods": [m.model_dump(mode="json") for m in inputs.methods],
+        "demand": demand_section(scenario),
+        "timeseries": timeseries_view(inputs.timeseries),
         "epochs": epoch_series(inputs.epochs, plan.method),
         "latency": latency_charts(inputs.latency),
         "live": live_section(plan, live) if live is not None else None,

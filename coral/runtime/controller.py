@@ -11,6 +11,7 @@ starts and drains (their action rows are completed, not duplicated).
 
 from __future__ import annotations
 
+import hmac
 import json
 import sqlite3
 import threading
@@ -323,10 +324,25 @@ class Controller:
 
 
 def controller_router(
-    controller: Controller, gateway_state: Callable[[], dict[str, Any]] | None = None
+    controller: Controller,
+    gateway_state: Callable[[], dict[str, Any]] | None = None,
+    admin_token: str | None = None,
+    max_body_bytes: int = 16 << 20,
 ) -> APIRouter:
-    """`GET /state` and `POST /replan` (optional body: a plan JSON to adopt; `?wait=true` reconciles now)."""
+    """`GET /state` and `POST /replan` (optional body: a plan JSON to adopt; `?wait=true` reconciles now).
+    With `admin_token`, `/replan` needs `Authorization: Bearer ADMIN_TOKEN` (401 otherwise)."""
     router = APIRouter()
+    expected = f"Bearer {admin_token}".encode() if admin_token else None
+
+    def denied(request: Request) -> JSONResponse | None:
+        if expected is None:
+            return None
+        given = request.headers.get("authorization", "").encode()
+        if hmac.compare_digest(given, expected):
+            return None
+        msg = "this endpoint needs the controller's admin token: `Authorization: Bearer TOKEN`"
+        err = {"message": msg, "type": "authentication_error", "param": None, "code": "invalid_admin_token"}
+        return JSONResponse({"error": err}, 401)
 
     def snapshot() -> dict[str, Any]:
         return controller.state(gateway_state() if gateway_state else None)
@@ -337,12 +353,17 @@ def controller_router(
 
     @router.post("/replan")
     async def replan(request: Request, wait: bool = False) -> Any:
+        if (refused := denied(request)) is not None:
+            return refused
+        declared = request.headers.get("content-length", "0")
+        if declared.isdigit() and int(declared) > max_body_bytes:
+            return _bad(413, f"plan over {max_body_bytes} bytes")
         raw = await request.body()
         if raw.strip():
             try:
                 plan = validate(Plan, json.loads(raw), "POST /replan body")
             except (CoralInputError, ValueError) as exc:
-                return JSONResponse({"error": {"message": str(exc), "type": "invalid_request_error"}}, 400)
+                return _bad(400, str(exc))
             controller.set_plan(plan)
             if wait:
                 await run_in_threadpool(controller.reconcile)
@@ -355,6 +376,11 @@ def controller_router(
         return snapshot()
 
     return router
+
+
+def _bad(status: int, message: str) -> JSONResponse:
+    err = {"message": message, "type": "invalid_request_error", "param": None, "code": None}
+    return JSONResponse({"error": err}, status)
 
 
 def runtime_state_provider(controller: Controller, gateway: Any) -> Callable[[], dict[str, Any]]:

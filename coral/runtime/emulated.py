@@ -6,7 +6,10 @@ time at the current number of active sequences. `time_scale`
 multiplies every sleep (0 = as fast as possible). Tokens are deterministic: a function of the prompt and
 the position. The engine speaks vLLM's disaggregated-prefill protocol: a request carrying
 `kv_transfer_params.do_remote_decode` is prefilled only and answers with the `kv_transfer_params` a decode
-instance needs; a request carrying `kv_transfer_params.do_remote_prefill` skips the prefill.
+instance needs; a request carrying `kv_transfer_params.do_remote_prefill` skips the prefill. Like vLLM, it
+takes the request id from `X-Request-Id` (`chatcmpl-ID` / `cmpl-ID`), refuses `min_tokens` above `max_tokens`
+(why a PD proxy strips `min_tokens` from the prefill request) and sends a usage chunk when streaming with
+`stream_options.include_usage`.
 """
 
 from __future__ import annotations
@@ -16,8 +19,9 @@ import json
 import time
 import uuid
 import zlib
+from collections import deque
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -86,7 +90,7 @@ def count_tokens(text: str) -> int:
 
 
 def token_text(prompt: str, i: int) -> str:
-    return " " + VOCAB[(zlib.crc32(prompt.encode()) + i) % len(VOCAB)]
+    return " " + VOCAB[(zlib.crc32(prompt.encode(errors="surrogatepass")) + i) % len(VOCAB)]
 
 
 def max_tokens_of(body: dict[str, Any]) -> int:
@@ -103,6 +107,7 @@ class EngineState:
     served: int = 0
     prefills: int = 0
     prefill_steps: int = 0
+    request_ids: deque[str] = field(default_factory=lambda: deque(maxlen=64))
 
 
 class PrefillBatcher:
@@ -144,6 +149,10 @@ class PrefillBatcher:
                     fut.set_result(None)
 
 
+def _usage(n_prompt: int, n_out: int) -> dict[str, int]:
+    return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}
+
+
 def _chunk(chat: bool, rid: str, model: str, text: str, finish: str | None, first: bool) -> dict[str, Any]:
     choice: dict[str, Any] = {"index": 0, "finish_reason": finish}
     if chat:
@@ -161,7 +170,7 @@ def _full(chat: bool, rid: str, model: str, text: str, n_prompt: int, n_out: int
     else:
         choice, obj = {"index": 0, "text": text, "logprobs": None}, "text_completion"
     choice["finish_reason"] = "length"
-    usage = {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}
+    usage = _usage(n_prompt, n_out)
     return {
         "id": rid,
         "object": obj,
@@ -170,6 +179,11 @@ def _full(chat: bool, rid: str, model: str, text: str, n_prompt: int, n_out: int
         "choices": [choice],
         "usage": usage,
     }
+
+
+def _error(status: int, message: str, param: str | None) -> JSONResponse:
+    err = {"message": message, "type": "invalid_request_error", "param": param, "code": None}
+    return JSONResponse({"error": err}, status_code=status)
 
 
 def create_engine_app(
@@ -191,17 +205,21 @@ def create_engine_app(
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": model, "object": "model", "owned_by": "coral-emulated"}]}
+        card = {"id": model, "object": "model", "created": int(time.time()), "owned_by": "coral-emulated"}
+        return {"object": "list", "data": [card]}
 
     async def complete(request: Request, chat: bool) -> Any:
         body = await request.json()
         if body.get("model") != model:
-            err = {"message": f"model {body.get('model')!r} is not served here ({model})", "type": "NotFound"}
-            return JSONResponse({"error": err}, status_code=404)
+            return _error(404, f"model {body.get('model')!r} is not served here ({model})", "model")
         prompt = prompt_text(body)
         n_prompt, n_out = count_tokens(prompt), max_tokens_of(body)
+        if int(body.get("min_tokens") or 0) > n_out:
+            return _error(400, f"min_tokens must be <= max_tokens={n_out}", "min_tokens")
         kv_in = body.get("kv_transfer_params") or {}
-        rid = f"cmpl-{uuid.uuid4().hex[:16]}"
+        request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+        st.request_ids.append(request_id)
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{request_id}"
         headers = {"x-coral-instance": instance_id}
         st.served += 1
         if not kv_in.get("do_remote_prefill"):
@@ -238,12 +256,25 @@ def create_engine_app(
             text = "".join([t async for t in tokens()])
             return JSONResponse(_full(chat, rid, model, text, n_prompt, n_out), headers=headers)
 
+        so = body.get("stream_options")
+        include_usage = isinstance(so, dict) and bool(so.get("include_usage"))
+
         async def sse() -> AsyncIterator[bytes]:
             i = 0
             async for t in tokens():
                 finish = "length" if i == n_out - 1 else None
-                yield f"data: {json.dumps(_chunk(chat, rid, model, t, finish, i == 0))}\n\n".encode()
+                chunk = _chunk(chat, rid, model, t, finish, i == 0)
+                if include_usage:
+                    chunk["usage"] = None
+                yield f"data: {json.dumps(chunk)}\n\n".encode()
                 i += 1
+            if include_usage:
+                last = {
+                    **_chunk(chat, rid, model, "", None, False),
+                    "choices": [],
+                    "usage": _usage(n_prompt, i),
+                }
+                yield f"data: {json.dumps(last)}\n\n".encode()
             yield b"data: [DONE]\n\n"
 
         return StreamingResponse(sse(), media_type="text/event-stream", headers=headers)

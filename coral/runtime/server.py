@@ -11,6 +11,10 @@ import uvicorn
 
 from coral.catalog.loader import CoralInputError
 
+KEEP_ALIVE_S = 75
+"""Idle keep-alive connections are closed after this (uvicorn's 5 s default races with clients reusing a
+connection while the event loop lags under load: the request is dropped unanswered)."""
+
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A port the OS reports free right now."""
@@ -22,11 +26,28 @@ def free_port(host: str = "127.0.0.1") -> int:
 class ServerThread:
     """uvicorn serving `app` in a daemon thread; `start()` returns once the socket accepts connections."""
 
-    def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning") -> None:
+    def __init__(
+        self,
+        app: Any,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        log_level: str = "warning",
+        http: str = "auto",
+        loop: str = "auto",
+    ) -> None:
+        """`http`/`loop`: uvicorn's implementations ("auto" takes httptools/uvloop when installed)."""
         self.host = host
         self.port = port or free_port(host)
         config = uvicorn.Config(
-            app, host=host, port=self.port, log_level=log_level, lifespan="on", timeout_graceful_shutdown=2
+            app,
+            host=host,
+            port=self.port,
+            log_level=log_level,
+            lifespan="on",
+            timeout_graceful_shutdown=2,
+            timeout_keep_alive=KEEP_ALIVE_S,
+            http=http,
+            loop=loop,
         )
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, name=f"uvicorn-{self.port}", daemon=True)

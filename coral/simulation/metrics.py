@@ -119,6 +119,9 @@ class SimResult(_Result):
     cost_timeline: list[tuple[float, float]] = Field(description="(time s, $/h from then on) change points")
     instances: list[InstanceRecord] = Field(default_factory=list)
     notes: list[str] = Field(default_factory=list)
+    plan_fingerprint: str = Field(
+        default="", description="fingerprint of the plan run (coral.report.view.plan_fingerprint); '' if unknown"
+    )
     _per_request: dict[str, np.ndarray] = PrivateAttr(default_factory=dict)
 
     def per_request(self) -> dict[str, np.ndarray]:

@@ -1,5 +1,5 @@
 """Request traces: loaders for the Azure LLM inference and BurstGPT CSV formats, seeded synthetic generators,
-rate rescaling, and the per-model workload of a scenario (built from the shipped samples or a user's files)."""
+rate rescaling, and the per-model workload of a scenario (built from the shipped traces or a user's files)."""
 
 from __future__ import annotations
 
@@ -17,10 +17,11 @@ from coral.catalog.schema import Scenario
 AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
 BURSTGPT_COLUMNS = ("Timestamp", "Model", "Request tokens", "Response tokens", "Total tokens", "Log Type")
 
-#: trace names used in scenario files -> shipped sample file (format-compatible synthetic stand-ins)
-SAMPLES = {
-    "azure-code": "azure_code_sample.csv",
-    "azure-conversation": "azure_conversation_sample.csv",
+#: trace names used in scenario files -> shipped file under coral/data/traces: the real Azure LLM inference 2023
+#: traces (CC-BY 4.0) and a format-compatible synthetic stand-in for BurstGPT (see coral/data/traces/README.md)
+SHIPPED_TRACES = {
+    "azure-code": "azure-llm-2023/AzureLLMInferenceTrace_code.csv",
+    "azure-conversation": "azure-llm-2023/AzureLLMInferenceTrace_conv.csv",
     "burstgpt": "burstgpt_sample.csv",
 }
 
@@ -234,8 +235,9 @@ def tile(requests: RequestSet, duration_s: float, seed: int) -> RequestSet:
     ).until(duration_s)
 
 
-def sample_path(trace: str) -> Path:
-    return data_path("traces", SAMPLES[trace])
+def shipped_path(trace: str) -> Path:
+    """File of a shipped trace named in scenario files (`azure-code`, `azure-conversation`, `burstgpt`)."""
+    return data_path("traces", *SHIPPED_TRACES[trace].split("/"))
 
 
 def workload_for(
@@ -246,7 +248,7 @@ def workload_for(
     rate_scale: float = 1.0,
 ) -> dict[str, RequestSet]:
     """Requests of every scenario model over `duration_s`: its trace (a user file from `traces[model]`, else
-    the shipped sample named by the scenario, else synthetic Poisson with the scenario's means), rescaled to
+    the shipped trace named by the scenario, else synthetic Poisson with the scenario's means), rescaled to
     the model's request rate x `rate_scale` and tiled to the duration."""
     traces = traces or {}
     out: dict[str, RequestSet] = {}
@@ -258,15 +260,15 @@ def workload_for(
             continue
         if m.model in traces:
             base = load_trace(traces[m.model])
-        elif m.trace in SAMPLES:
-            base = load_trace(sample_path(m.trace))
+        elif m.trace in SHIPPED_TRACES:
+            base = load_trace(shipped_path(m.trace))
         elif m.trace == "synthetic":
             out[m.model] = synthetic(rate, duration_s, m.mean_input_tokens, m.mean_output_tokens, seed=sub_seed)
             continue
         else:
             raise CoralInputError(
                 f"scenario {scenario.name}: models.{i}.trace: unknown trace {m.trace!r}; known: "
-                f"{', '.join([*SAMPLES, 'synthetic'])} (or pass a file with --trace {m.model}=PATH)"
+                f"{', '.join([*SHIPPED_TRACES, 'synthetic'])} (or pass a file with --trace {m.model}=PATH)"
             )
         out[m.model] = tile(rescale(base, rate), duration_s, sub_seed)
     return out
@@ -301,39 +303,25 @@ def write_burstgpt(
     return path
 
 
-def generate_samples(folder: str | Path, seed: int = 2026, n: int = 2000) -> list[Path]:
-    """Write the shipped samples: format-compatible synthetic stand-ins for the real traces, seeded, with the
-    workload means the scenarios assume (see coral/data/traces/README.md). Run `python -m coral.simulation.traces`
-    to regenerate them."""
+def generate_burstgpt_sample(folder: str | Path, seed: int = 2028, n: int = 2000) -> Path:
+    """Write the shipped BurstGPT sample: a seeded synthetic stand-in in BurstGPT's format with the workload means
+    the scenarios assume (see coral/data/traces/README.md). Run `python -m coral.simulation.traces` to regenerate
+    it byte for byte."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    # (trace, rate req/s, arrival cv, mean in, sigma in, cap in, mean out, sigma out, cap out)
-    specs = [
-        ("azure-code", 2.0, 1.5, 2048.0, 0.9, 8192, 28.0, 0.9, 512),
-        ("azure-conversation", 2.0, 1.5, 1155.0, 0.8, 8192, 211.0, 0.9, 2048),
-        ("burstgpt", 1.0, 3.0, 611.0, 0.9, 4096, 123.0, 1.0, 2048),
-    ]
-    paths = []
-    for k, (name, rate, cv, mi, si, ci, mo, so, co) in enumerate(specs):
-        rng = np.random.default_rng(seed + k)
-        shape = 1.0 / cv**2
-        gaps = rng.gamma(shape, 1.0 / (rate * shape), n)
-        t = np.cumsum(gaps) - gaps[0]
-        reqs = RequestSet(
-            t, lognormal_lengths(rng, n, mi, si, ci), lognormal_lengths(rng, n, mo, so, co), name
-        )
-        target = folder / SAMPLES[name]
-        if name == "burstgpt":
-            models = np.where(rng.random(n) < 0.85, "ChatGPT", "GPT-4")
-            logs = np.where(rng.random(n) < 0.7, "Conversation log", "API log")
-            failed = rng.random(n) < 0.02
-            out = np.where(failed, 0, reqs.output_tokens)
-            paths.append(write_burstgpt(RequestSet(t, reqs.input_tokens, out, name), target, models, logs))
-        else:
-            paths.append(write_azure(reqs, target))
-    return paths
+    rate, cv = 1.0, 3.0
+    rng = np.random.default_rng(seed)
+    shape = 1.0 / cv**2
+    gaps = rng.gamma(shape, 1.0 / (rate * shape), n)
+    t = np.cumsum(gaps) - gaps[0]
+    inp = lognormal_lengths(rng, n, 611.0, 0.9, 4096)
+    out = lognormal_lengths(rng, n, 123.0, 1.0, 2048)
+    models = np.where(rng.random(n) < 0.85, "ChatGPT", "GPT-4")
+    logs = np.where(rng.random(n) < 0.7, "Conversation log", "API log")
+    failed = rng.random(n) < 0.02
+    requests = RequestSet(t, inp, np.where(failed, 0, out), "burstgpt")
+    return write_burstgpt(requests, folder / SHIPPED_TRACES["burstgpt"], models, logs)
 
 
 if __name__ == "__main__":
-    for p in generate_samples(data_path("traces")):
-        print(p)
+    print(generate_burstgpt_sample(data_path("traces")))

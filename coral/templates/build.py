@@ -17,10 +17,10 @@ from coral.catalog.schema import ModelArch, Scenario
 from coral.perf.model import Phase, Workload
 from coral.perf.roofline import RooflineModel
 from coral.templates.library import Stage, TemplateLibrary, dominated_rows
-from coral.templates.placement import set_partitions, solve_node_sets
+from coral.templates.placement import coupled_rates, set_partitions, solve_node_sets
 
 CHUNK = 8192
-ChunkTask = tuple[np.ndarray, np.ndarray, np.ndarray]
+ChunkTask = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]
 ChunkResult = tuple[np.ndarray, np.ndarray, np.ndarray]
 StageFilter = Callable[[Sequence[Stage]], bool]
 
@@ -113,8 +113,8 @@ def prepare_job(job: BuildJob, perf: RooflineModel) -> JobResult:
 
 
 def _solve_chunk(args: ChunkTask) -> ChunkResult:
-    sets, sizes, tables = args
-    return solve_node_sets(np.where(sets >= 0, sets, 0), sizes, tables)
+    sets, sizes, tables, step_fit = args
+    return solve_node_sets(np.where(sets >= 0, sets, 0), sizes, tables, step_fit)
 
 
 def layout_columns(result: JobResult) -> dict[str, np.ndarray]:
@@ -140,44 +140,23 @@ def layout_columns(result: JobResult) -> dict[str, np.ndarray]:
 
 
 def pipeline_node_throughput(result: JobResult, cols: dict[str, np.ndarray]) -> np.ndarray:
-    """Per-node tokens/s a multi-stage placement really sustains (single-stage rows are unchanged).
-
-    The per-node tables rate each node at its own best micro-batch, but in a pipeline every micro-batch visits
-    one node per stage, so all nodes share one cycle C (S micro-batches in flight: C = S x the slowest step).
-    Node k gets the share w_k of its stage's traffic (its table throughput over the stage's) and holds micro-
-    batches b_k(C) = min(b_max_k, (C/S - a_k) / c_k) under a linear step-time fit t_k(b) = a_k + c_k b; the
-    template then carries X(C) = min_k S b_k(C) / (C w_k): the minimum of rising (uncapped) and falling (capped)
-    terms, maximal where some node k's micro-batch reaches the level w_k b_max_m / w_m at which node m caps; all
-    such cycles are tried. Never above the table value."""
+    """Per-node tokens/s a multi-stage placement really sustains (single-stage rows are unchanged): the template's
+    shared-cycle rate (`coupled_rate`) split over each stage's nodes in proportion to their table throughput."""
     thr = cols["node_throughput"]
     if result.step_fit is None:
         return thr
-    m, width = thr.shape
     valid = result.node_sets >= 0
-    n_stages = cols["node_stage"].max(axis=1).astype(np.int64) + 1
-    node_layers = np.take_along_axis(cols["stage_layers"], cols["node_stage"].astype(np.int64), axis=1)
-    s_idx = np.broadcast_to((n_stages - 1)[:, None], (m, width))
-    cfg = np.where(valid, result.node_sets, 0)
-    b_max, a, slope = (result.step_fit[i][s_idx, cfg, node_layers] for i in range(3))
-    stage_sum = np.zeros((m, width))
-    for s in range(width):
+    n_stages = cols["node_stage"].max(axis=1) + 1
+    rate = coupled_rates(
+        np.where(valid, result.node_sets, 0), result.sizes, cols["node_stage"],
+        cols["stage_layers"].astype(np.int32), result.tables, result.step_fit,
+    )
+    stage_sum = np.zeros_like(thr)
+    for s in range(thr.shape[1]):
         in_s = (cols["node_stage"] == s) & valid
         stage_sum = np.where(in_s, np.where(in_s, thr, 0.0).sum(axis=1, keepdims=True), stage_sum)
-    w = np.where(valid & (stage_sum > 0), thr / np.where(stage_sum > 0, stage_sum, 1.0), np.nan)
-    S = n_stages[:, None].astype(float)
-    best = np.zeros(m)
-    for k, cap in itertools.product(range(width), repeat=2):
-        # candidate cycle: node k's micro-batch reaches the level at which node `cap` is KV/batch capped
-        with np.errstate(divide="ignore", invalid="ignore"):
-            target = w[:, k] * b_max[:, cap] / w[:, cap]
-            cycle = (S[:, 0] * (a[:, k] + slope[:, k] * target))[:, None]
-            ok = valid[:, k] & valid[:, cap] & (cycle[:, 0] > 0)
-            grow = np.where(slope > 0, (cycle / S - a) / slope, b_max)
-            rate = np.where(valid, S * np.clip(grow, 0.0, b_max) / cycle / w, np.inf)
-        x = np.where(ok, np.nanmin(np.where(np.isnan(rate), np.inf, rate), axis=1), 0.0)
-        best = np.maximum(best, np.where(np.isfinite(x), x, 0.0))
-    coupled = np.where(valid, best[:, None] * np.nan_to_num(w), 0.0)
-    return np.where((n_stages > 1)[:, None], np.minimum(coupled, thr), thr)
+    share = np.where(stage_sum > 0, thr / np.where(stage_sum > 0, stage_sum, 1.0), 0.0)
+    return np.where((n_stages > 1)[:, None], rate[:, None] * share, thr)
 
 
 def bottleneck(node_stage: np.ndarray, node_throughput: np.ndarray, stage_layers: np.ndarray) -> np.ndarray:
@@ -206,14 +185,17 @@ def run_jobs(
     workers: int | None = None,
     use_ray: bool = False,
     on_chunk: Callable[[int, int], None] | None = None,
+    coupled: bool = True,
 ) -> list[JobResult]:
-    """Solve all jobs, split in chunks, in this process, on local processes or on a Ray cluster."""
+    """Solve all jobs, split in chunks, in this process, on local processes or on a Ray cluster. Placements
+    maximise the shared-cycle rating (`coupled_rate`), or with `coupled=False` the paper's slowest-stage table
+    throughput (re-rated afterwards by `results_to_library`)."""
     prepared = [prepare_job(job, perf) for job in jobs]
     tasks, owners = [], []
     for r in prepared:
         for a in range(0, r.candidates, CHUNK):
             b = min(a + CHUNK, r.candidates)
-            tasks.append((r.node_sets[a:b], r.sizes[a:b], r.tables))
+            tasks.append((r.node_sets[a:b], r.sizes[a:b], r.tables, r.step_fit if coupled else None))
             owners.append((r, a, b))
     if on_chunk:
         on_chunk(0, len(tasks))

@@ -86,6 +86,9 @@
     var xs = [], ys = [];
     series.forEach(function (sr) { sr.points.forEach(function (p) { xs.push(p[0]); ys.push(p[1]); }); });
     (opts.vlines || []).forEach(function (v) { xs.push(v.x); });
+    (opts.hlines || []).forEach(function (v) { ys.push(v.y); });
+    if (!xs.length) xs.push(0);
+    if (!ys.length) ys.push(0);
     var x0 = opts.xmin !== undefined ? opts.xmin : Math.min.apply(null, xs);
     var x1 = Math.max.apply(null, xs), y0 = opts.ymin !== undefined ? opts.ymin : Math.min(0, Math.min.apply(null, ys));
     var y1 = opts.ymax !== undefined ? opts.ymax : Math.max.apply(null, ys);
@@ -95,7 +98,7 @@
     var xf = opts.xfmt || tickFmt(xt.step || 1), yf = opts.yfmt || tickFmt(yt.step);
     x1 = Math.max(x1, xt[xt.length - 1]); y1 = Math.max(y1, yt[yt.length - 1]);
     function X(v) { return m.l + pw * (v - x0) / (x1 - x0); }
-    function Y(v) { return m.t + ph - ph * (v - y0) / (y1 - y0); }
+    function Y(v) { return m.t + ph - ph * (Math.min(v, y1) - y0) / (y1 - y0); }
     var svg = s("svg", { width: W, height: H, viewBox: "0 0 " + W + " " + H, role: "img" });
     yt.forEach(function (t) {
       add(svg, [s("line", { x1: m.l, x2: m.l + pw, y1: Y(t), y2: Y(t), class: "gridline" }),
@@ -113,6 +116,11 @@
         s("text", { x: X(v.x) + (X(v.x) > m.l + 0.75 * pw ? -4 : 4), y: m.t + ph - 8, "font-size": 11, style: "fill:#c23b32",
           "text-anchor": X(v.x) > m.l + 0.75 * pw ? "end" : "start" }, v.label)]);
     });
+    (opts.hlines || []).forEach(function (v) {
+      add(svg, [s("line", { x1: m.l, x2: m.l + pw, y1: Y(v.y), y2: Y(v.y), stroke: v.color || "#c23b32", "stroke-width": 1.5,
+        "stroke-dasharray": "5 4", class: "slo-line" }),
+        v.label ? s("text", { x: m.l + pw - 4, y: Y(v.y) - 4, "font-size": 11, style: "fill:" + (v.color || "#c23b32"), "text-anchor": "end" }, v.label) : null]);
+    });
     series.forEach(function (sr) {
       var d = "", prev = null;
       sr.points.forEach(function (p, k) {
@@ -123,7 +131,7 @@
       });
       if (opts.step && prev) d += "H" + (m.l + pw);
       add(svg, s("path", { d: d, fill: "none", stroke: sr.color, "stroke-width": 2 }));
-      if (!opts.step) sr.points.forEach(function (p) {
+      if (!opts.step && !opts.nodots) sr.points.forEach(function (p) {
         add(svg, s("circle", { cx: X(p[0]), cy: Y(p[1]), r: 3, fill: sr.color }));
       });
     });
@@ -152,13 +160,14 @@
     var sm = vm.summary, sv = sm.solve || {};
     var bits = ["scenario " + sm.scenario, "method " + sm.method, "mode " + sm.mode];
     if (sm.demand_scale !== 1) bits.push("demand ×" + fixed(sm.demand_scale, 2));
-    if (sv.status) bits.push("solver " + sv.status + (sv.time_s ? " in " + fixed(sv.time_s, 2) + " s" : "") +
-      (sv.gap ? ", gap " + pct(sv.gap) : ""));
+    if (sm.solve_words) bits.push(sm.solve_words);
+    else if (sv.status) bits.push("solver " + sv.status + (sv.time_s ? " in " + fixed(sv.time_s, 2) + " s" : ""));
     if (sm.created_at) bits.push(sm.created_at);
     return h("header", null, h("h1", null, vm.title),
       h("div", { class: "sub" }, cfg.poll_url ? [h("i", { class: "live-dot" + (status.ok ? "" : " off") }),
         (status.ok ? "live · updated " : "disconnected · last update ") + status.at + " · "] : null, bits.join(" · ")),
-      (sv.notes || []).map(function (n) { return h("div", { class: "sub solver-note" }, "solver: " + n); }));
+      (sv.notes || []).length ? h("details", { class: "solver-note" }, h("summary", null, "solver details"),
+        sv.notes.map(function (n) { return h("div", null, n); })) : null);
   }
 
   function kpis(vm) {
@@ -175,6 +184,54 @@
     });
     if (vm.live) cards.push(kpi("In flight", qty(vm.live.total_inflight), qty(vm.live.total_requests) + " requests so far", "inflight", vm.live.total_inflight));
     return h("section", { class: "kpis" }, cards);
+  }
+
+  function passBadge(ok) {
+    return ok === null || ok === undefined ? "" : h("span", { class: "badge " + (ok ? "pass" : "fail") }, ok ? "pass" : "fail");
+  }
+
+  // At the top: overall and per-model SLO attainment, each SLO marked pass/fail against the target share.
+  function sloSection(vm, live) {
+    var slo = vm.slo;
+    if (!slo) return null;
+    var rows = slo.models.map(function (r) {
+      return h("tr", { "data-model": r.model }, h("td", null, r.model),
+        h("td", null, ms(r.slo_ttft_ms)), h("td", { class: "att" }, pct(r.ttft_attainment), " ", passBadge(r.ttft_pass)),
+        h("td", null, ms(r.slo_tpot_ms)), h("td", { class: "att" }, pct(r.tpot_attainment), " ", passBadge(r.tpot_pass)),
+        h("td", { class: "att" }, pct(r.attainment), " ", passBadge(r.pass)));
+    });
+    var head = slo.overall === null ? null : h("div", { class: "slo-overall", id: "slo-overall", "data-value": slo.overall },
+      "Overall: ", h("b", null, pct(slo.overall)), " of requests met both SLOs ", passBadge(slo.overall_pass));
+    return h("section", { id: "slo" }, h("h2", null, live ? "SLO attainment (measured)" : "SLO attainment (simulated)"), head,
+      h("div", { class: "sub", style: "margin-bottom:6px" }, "pass: at least " + pct(slo.target) +
+        " of a model's requests within the SLO (TTFT: time to first token; TPOT: mean time per output token)"),
+      table(["Model", "TTFT SLO", "Within TTFT SLO", "TPOT SLO", "Within TPOT SLO", "Both SLOs"], rows, "slo-table"));
+  }
+
+  function methodsSection(vm) {
+    if (!vm.methods || !vm.methods.length) return null;
+    var models = [];
+    vm.methods.forEach(function (r) { Object.keys(r.by_model).forEach(function (m) { if (models.indexOf(m) < 0) models.push(m); }); });
+    models.sort();
+    var rows = vm.methods.map(function (r) {
+      return h("tr", { "data-method": r.method, "data-how": r.how }, h("td", null, r.method), h("td", { class: "l" }, r.how),
+        models.map(function (m) { return h("td", null, pct(r.by_model[m])); }),
+        h("td", { "data-value": r.slo_attainment }, h("b", null, pct(r.slo_attainment))),
+        h("td", null, qty(r.goodput_tokens_s)), h("td", null, money(r.cost_per_hour)));
+    });
+    return h("div", { style: "margin-top:14px" }, h("h3", null, "Every method simulated on the same requests"),
+      table(["Method", "Run"].concat(models, ["All (both SLOs)", "Goodput tok/s", "Mean cost"]), rows, "methods", 2));
+  }
+
+  function demandSection(vm) {
+    if (!vm.demand || !vm.demand.length) return null;
+    var rows = vm.demand.map(function (r) {
+      return h("tr", { "data-model": r.model }, h("td", null, r.model), h("td", null, qty(r.request_rate) + " req/s"),
+        h("td", null, qty(r.mean_input_tokens)), h("td", null, qty(r.mean_output_tokens)),
+        h("td", null, ms(r.slo_ttft_ms)), h("td", null, ms(r.slo_tpot_ms)), h("td", { class: "l" }, r.trace));
+    });
+    return h("div", null, h("h3", null, "Demand assumptions (from the scenario)"),
+      table(["Model", "Rate", "Mean prompt tokens", "Mean output tokens", "TTFT SLO", "TPOT SLO", "Trace"], rows, "demand"));
   }
 
   function servingSection(vm) {
@@ -213,9 +270,20 @@
         h("td", { "data-value": r.cost_per_hour }, money(r.cost_per_hour)),
         h("td", null, r.ratio === null ? "–" : fixed(r.ratio, 2) + "×"));
     });
+    var saving = (vm.savings || []).map(function (sv) {
+      var srows = sv.rows.map(function (r) {
+        return h("tr", { "data-model": r.model, "data-phase": r.phase }, h("td", null, r.model), h("td", { class: "l" }, r.phase),
+          h("td", null, money(r.plan)), h("td", null, money(r.baseline)),
+          h("td", { class: r.saving < 0 ? "short" : null, "data-value": r.saving }, (r.saving < 0 ? "−" : "") + money(Math.abs(r.saving))));
+      });
+      return h("div", { class: "card saving", "data-method": sv.method }, h("h3", null, "Where the saving comes from: vs " + sv.method),
+        h("div", { class: "sub", style: "margin-bottom:6px" }, sv.text),
+        table(["Model", "Phase", cmp.rows[0].method, sv.method, "Saving"], srows, "saving-" + sv.method, 2));
+    });
     return h("section", null, h("h2", null, "Comparison with baselines"),
       h("div", { class: "cmp" }, h("div", { class: "card" }, h("h3", null, "Total cost per method"), bars),
-        table(["Method"].concat(cmp.models, ["Served", "Total", "vs " + cmp.rows[0].method]), rows, "comparison")));
+        table(["Method"].concat(cmp.models, ["Served", "Total", "vs " + cmp.rows[0].method]), rows, "comparison")),
+      methodsSection(vm), saving.length ? h("div", { class: "grid2", style: "margin-top:14px" }, saving) : null);
   }
 
   // One instance (group): stage columns left to right, a box per node coloured by GPU type.
@@ -255,6 +323,10 @@
     return h("div", { class: "card instance", "data-model": g.model, "data-phase": g.phase, "data-count": g.count },
       h("div", { class: "inst-head" }, h("span", { class: "count" }, g.model + " · " + g.phase + " ×" + g.count),
         g.heterogeneous ? h("span", { class: "badge het" }, "heterogeneous") : null,
+        g.engines ? h("span", { class: "badge engine" }, "Coral engine") : null,
+        g.engines ? h("span", { class: "badge " + (g.engines.vllm ? "engine" : "no-engine"),
+          title: g.engines.vllm ? "stock vLLM can launch this layout" : "stock vLLM cannot: " + g.engines.vllm_reason },
+          g.engines.vllm ? "vLLM" : "not stock vLLM") : null,
         Object.keys(counts).sort().map(function (st) { return h("span", { class: "badge " + st }, counts[st] + " " + st); })),
       h("div", { class: "sub", style: "margin:2px 0 6px" }, "template " + g.template_id + " · " + g.region + " · " +
         money(g.cost_per_hour) + " · " + qty(g.throughput) + " tok/s each"),
@@ -346,12 +418,50 @@
     return h("section", { id: "latency" }, h("h2", null, "Latency CDFs against SLOs"), h("div", { class: "grid3" }, cards));
   }
 
+  // Time series per model: arrival rate, p99 TTFT and TPOT (SLO lines dashed) and queue depth.
+  function timeseriesSection(vm, title) {
+    var ts = vm.timeseries;
+    if (!ts) return null;
+    var models = Object.keys(ts.rate).sort(), slos = {};
+    (vm.demand || []).forEach(function (d) { slos[d.model] = d; });
+    (vm.slo ? vm.slo.models : []).forEach(function (r) { slos[r.model] = slos[r.model] || r; });
+    function color(k) { return SERIES_COLORS[k % SERIES_COLORS.length]; }
+    // latency charts: dashed line per model at its SLO, in the model's colour; the y axis stops at 3x the
+    // largest SLO so that the SLO lines stay readable (higher points are drawn at the top edge)
+    function chart(key, name, yfmt, sloKey) {
+      var series = models.map(function (m, k) { return { name: m, color: color(k), points: ts[key][m] || [] }; });
+      var hl = [], top, highest = 0, caption = null;
+      series.forEach(function (sr) { sr.points.forEach(function (p) { highest = Math.max(highest, p[1]); }); });
+      if (sloKey) models.forEach(function (m, k) {
+        var v = slos[m] && slos[m][sloKey];
+        if (v) hl.push({ y: v, color: color(k), label: models.length > 1 ? null : "SLO " + ms(v), name: m });
+      });
+      if (hl.length) {
+        var maxSlo = Math.max.apply(null, hl.map(function (v) { return v.y; }));
+        if (highest > 3 * maxSlo) top = 3 * maxSlo;
+        caption = "dashed: SLO of " + hl.map(function (v) { return v.name + " " + ms(v.y); }).join(", ") +
+          (top ? "; axis cut at " + ms(top) + " (peak " + ms(highest) + ")" : "");
+      }
+      return h("div", { class: "card", id: "ts-" + key }, h("h3", null, name),
+        caption ? h("div", { class: "sub" }, caption) : null,
+        lineChart(series, { xlabel: "time (s)", ymin: 0, ymax: top, yfmt: yfmt, hlines: hl, nodots: true, width: 620, height: 220 }));
+    }
+    return h("section", { id: "timeseries" }, h("h2", null, title || "Over time"),
+      legend(models.map(function (m, k) { return { label: m, color: color(k) }; })),
+      h("div", { class: "sub", style: "margin-bottom:6px" }, ts.queue_label ? "one point per refresh (about every " + qty(ts.bin_s) + " s)" :
+        "bins of " + qty(ts.bin_s) + " s; latency of the requests arriving in each bin"),
+      h("div", { class: "grid2" }, chart("rate", "Request rate (req/s)", null), chart("queue", ts.queue_label || "Queue depth (arrived, not yet decoding)", null),
+        chart("ttft_p99_ms", "p99 TTFT (ms)", null, "slo_ttft_ms"), chart("tpot_p99_ms", "p99 TPOT (ms)", null, "slo_tpot_ms")));
+  }
+
   function render(vm, cfg, status) {
     var app = document.getElementById("app");
     var notes = vm.notes && vm.notes.length ? h("div", { class: "notes" }, vm.notes.map(function (n) { return h("div", null, n); })) : null;
-    var view = h("div", null, header(vm, cfg, status), kpis(vm), notes, liveSection(vm),
-      h("section", null, h("h2", null, "Plan"), servingSection(vm), h("div", { style: "height:14px" }), costSection(vm)),
-      comparisonSection(vm), instancesSection(vm), epochsSection(vm), latencySection(vm));
+    var view = h("div", null, header(vm, cfg, status), notes, sloSection(vm, !!cfg.poll_url), kpis(vm), liveSection(vm),
+      h("section", null, h("h2", null, "Plan"), demandSection(vm), h("div", { style: "height:14px" }), servingSection(vm),
+        h("div", { style: "height:14px" }), costSection(vm)),
+      comparisonSection(vm), instancesSection(vm), timeseriesSection(vm, cfg.poll_url ? "Live over time" : null),
+      epochsSection(vm), latencySection(vm));
     app.replaceChildren(view);
     document.title = vm.title;
     app.setAttribute("data-rendered", String(Number(app.getAttribute("data-rendered") || 0) + 1));

@@ -1,0 +1,111 @@
+"""Fidelity of the roofline perf model against Helix's measured per-layer LLaMA-2 70B profiles.
+
+    python benchmarks/perf_fidelity.py [--profiles DIR]
+
+For every (config, phase): median and worst |predicted / measured - 1| over the measured batches with
+  - before: the pre-calibration defaults (one compute 0.55 / memory 0.80 / interconnect 0.70 for every GPU, KV
+    read at the memory efficiency),
+  - shipped: coral/data/perf_defaults.yaml,
+  - in-sample: calibrated on all rows (what `coral perf calibrate` does),
+  - hold-out interleaved: calibrated on every other batch of each file, scored on the others,
+  - hold-out extrapolation: calibrated on the smallest 60% of batches of each file, scored on the largest 40%,
+  - hold-out config: each config of a GPU measured in several configs, from a fit on the GPU's other configs.
+Prints a table and writes out/benchmarks/perf_fidelity.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+from coral.catalog.loader import builtin_catalog, data_path
+from coral.perf import PerfParams, RooflineModel
+from coral.perf.measured import ProfileSet, calibrate, error_summary, relative_errors
+
+PRE_CALIBRATION = {"compute_efficiency": 0.55, "memory_efficiency": 0.80, "attention_efficiency": 0.80,
+                   "interconnect_efficiency": 0.70, "gpu_overrides": {}, "gpu_fallbacks": {}}
+
+
+def held_out_configs(pset: ProfileSet, fitted: Callable[[ProfileSet], RooflineModel],
+                     scored: Callable[[RooflineModel], dict]) -> dict:
+    """Each config of a GPU with several measured configs, predicted from a fit on the GPU's other configs
+    (e.g. 4xT4 from 1xT4 and 2xT4: tests the tensor-parallel part of the model)."""
+    cat = builtin_catalog()
+    gpu = {config: cat.node_config(config).gpu.name for config, _ in pset.profiles}
+    out = {}
+    for config in sorted(set(gpu)):
+        others = {k: p for k, p in pset.profiles.items() if k[0] != config and gpu[k[0]] == gpu[config]}
+        if others:
+            pm = fitted(ProfileSet(others, pset.manifest))
+            out.update({k: v for k, v in scored(pm).items() if k[0] == config})
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--profiles", type=Path, default=data_path("profiles", "helix-llama2-70b"))
+    ap.add_argument("--out", type=Path, default=Path("out/benchmarks"))
+    args = ap.parse_args()
+    cat = builtin_catalog()
+    pset = ProfileSet.read(args.profiles, catalog=cat)
+    man = pset.manifest
+    assert man.model and man.workload, "the profile folder needs a profile.yaml with model and workload"
+    model, w = cat.model(man.model), man.workload
+    before = RooflineModel(PerfParams.load().model_copy(update=PRE_CALIBRATION))
+
+    def fitted(train: ProfileSet) -> RooflineModel:
+        params, _ = calibrate(before, model, train, w, "benchmark", cat)
+        return RooflineModel(params)
+
+    def scored(pm: RooflineModel, keep: dict | None = None) -> dict:
+        errs = relative_errors(pm, model, pset if keep is None else pset.subset(keep), w, cat)
+        return {k: error_summary(e) for k, e in errs.items()}
+
+    idx = {k: np.arange(len(p.tokens)) for k, p in pset.profiles.items()}
+    even = {k: i % 2 == 0 for k, i in idx.items()}
+    small = {k: i < int(np.ceil(0.6 * len(i))) for k, i in idx.items()}
+    columns = {
+        "before": scored(before),
+        "shipped": scored(RooflineModel()),
+        "in-sample": scored(fitted(pset)),
+        "hold-out interleaved": scored(fitted(pset.subset(even)), {k: ~v for k, v in even.items()}),
+        "hold-out extrapolation": scored(fitted(pset.subset(small)), {k: ~v for k, v in small.items()}),
+        "hold-out config": held_out_configs(pset, fitted, scored),
+    }
+
+    columns = {name: col for name, col in columns.items() if col}
+    table = Table(title=f"{man.model}: per-layer |predicted/measured - 1|, median / worst")
+    table.add_column("config")
+    table.add_column("phase")
+    for name in columns:
+        table.add_column(name, justify="right")
+    rows = []
+    for key in pset.profiles:
+        cells = {name: col.get(key) for name, col in columns.items()}
+        table.add_row(key[0], str(key[1]), *(f"{c[0]:.1%} / {c[1]:.1%}" if c else "-" for c in cells.values()))
+        rows.append({"config": key[0], "phase": str(key[1]), "points": len(pset.profiles[key].tokens),
+                     **{name: {"median": c[0], "worst": c[1]} for name, c in cells.items() if c}})
+    summary = {name: {"median of medians": float(np.median([m for m, _ in col.values()])),
+                      "max of medians": float(max(m for m, _ in col.values())),
+                      "max of worst": float(max(x for _, x in col.values()))} for name, col in columns.items()}
+    table.add_section()
+    table.add_row("all", "median of medians", *(f"{s['median of medians']:.1%}" for s in summary.values()))
+    table.add_row("all", "max of medians", *(f"{s['max of medians']:.1%}" for s in summary.values()))
+    table.add_row("all", "max of worst", *(f"{s['max of worst']:.1%}" for s in summary.values()))
+    Console().print(table)
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / "perf_fidelity.json"
+    path.write_text(json.dumps({"profiles": str(args.profiles), "model": man.model,
+                                "workload": {"input_tokens": w.input_tokens, "output_tokens": w.output_tokens},
+                                "rows": rows, "summary": summary}, indent=2))
+    print(f"-> {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,320 @@
+"""One pipeline node: a process (or, in tests, a thread) holding one shard, driven by the instance scheduler.
+
+Channels:
+- control, ZeroMQ: the node binds a PULL socket for the scheduler's commands (`run` a micro-batch, `free` or
+  `keep` requests' KV, `pull` KV from a prefill instance, `stop`) and PUSHes results (`ready`, sampled tokens,
+  errors) to the scheduler;
+- activations, torch.distributed P2P (`coral.engine.transport`), tagged by micro-batch;
+- KV hand-off, ZeroMQ: the node binds a ROUTER socket serving `take` requests from decode nodes of another
+  instance (a separate process group, so not reachable by P2P): the layers asked for are removed from the
+  shard and sent as raw frames. KV kept for hand-off and never taken is dropped after `kv_ttl_s`.
+
+Commands are handled one at a time in arrival order; the scheduler sends each micro-batch to all its nodes at
+dispatch, so every node sees micro-batches in the same global order and the pipeline cannot deadlock.
+
+A node of tensor-parallel degree t is t processes (its own torch.distributed group): the leader (TP rank 0)
+owns the channels above and mirrors each command to the followers (`broadcast_object_list`), with the input
+activations; all run the shard's layers together (the row-parallel projections all-reduce). KV handed off
+leaves and arrives with all heads: the leader gathers the followers' heads on export and scatters on import, so
+prefill and decode nodes of different TP degrees exchange KV.
+
+Run one node: `python -m coral.engine.node '<NodeConfig JSON>'` (how `CoralInstance` starts them).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import zmq
+
+from coral.engine.shard import KV, Shard
+from coral.engine.transport import DistTransport, Transport, advertised, frames_tensors, tensor_frames
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    instance_id: str
+    rank: int  # node rank (the scheduler's id of the node; its leader's process in the P2P group)
+    world_size: int  # processes of the instance
+    first: int
+    last: int
+    checkpoint: str
+    results: str  # the scheduler's PULL address
+    bind: str = "tcp://127.0.0.1"  # 'tcp://HOST' (ports chosen by the OS) or 'inproc' (threads)
+    advertise: str = ""  # host the scheduler and other instances reach this node by (default: its bind host,
+    # or this machine's address when bound to 0.0.0.0)
+    device: str = "cpu"  # 'cuda:0', ... on GPU nodes
+    dist_backend: str = "gloo"  # 'nccl' on GPU nodes
+    dist_init: str = ""  # torch.distributed init_method: 'file://PATH' or 'tcp://HOST:PORT'
+    threads: int = 1  # torch intra-op threads (1: node processes share the machine's cores)
+    kv_ttl_s: float = 120.0
+    parent_pid: int = 0  # a node process exits when this process (its instance's owner) is gone; 0: no check
+    process_rank: int = -1  # torch.distributed rank of this process (-1: the node rank)
+    leaders: list[int] = field(default_factory=list)  # process rank of each node's leader (empty: node ranks)
+    tp_groups: list[list[int]] = field(default_factory=list)  # the instance's tensor-parallel groups (size > 1)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+
+class Node:
+    def __init__(self, cfg: NodeConfig, transport: Transport, ctx: zmq.Context[Any], tp_group: Any = None) -> None:
+        self.cfg = cfg
+        self.transport = transport
+        self.tp_group = tp_group
+        self.leader_process = self.process(cfg.rank)
+        self.shard = Shard(cfg.checkpoint, cfg.first, cfg.last, cfg.device, tp_group)
+        self.hidden = int(self.shard.config.hidden_size)
+        self.ctx = ctx
+        if self.shard.tp_rank:
+            return  # a follower: no channels of its own
+        self.cmd = ctx.socket(zmq.PULL)
+        self.kv_server = ctx.socket(zmq.ROUTER)
+        if cfg.bind == "inproc":
+            self.cmd.bind(f"inproc://{cfg.instance_id}/{cfg.rank}/cmd")
+            self.kv_server.bind(f"inproc://{cfg.instance_id}/{cfg.rank}/kv")
+        else:
+            self.cmd.bind_to_random_port(cfg.bind)
+            self.kv_server.bind_to_random_port(cfg.bind)
+        self.out = ctx.socket(zmq.PUSH)
+        self.out.connect(cfg.results)
+        self.kept: dict[str, float] = {}  # request id -> when its KV was kept for hand-off
+        self.kv_clients: dict[str, zmq.Socket[Any]] = {}
+
+    def process(self, node_rank: int) -> int:
+        """The process rank of a node's leader (for P2P)."""
+        return self.cfg.leaders[node_rank] if self.cfg.leaders else node_rank
+
+    def _mirror(self, msg: dict[str, Any], payload: Any = None, has_payload: bool = False) -> None:
+        """Leader: hand a command (and an object with it) to the followers."""
+        if self.tp_group is not None:
+            dist.broadcast_object_list([msg], src=self.leader_process, group=self.tp_group)
+            if has_payload:
+                dist.broadcast_object_list([payload], src=self.leader_process, group=self.tp_group)
+
+    def _receive(self) -> Any:
+        """Follower: the next object from the leader."""
+        box: list[Any] = [None]
+        dist.broadcast_object_list(box, src=self.leader_process, group=self.tp_group)
+        return box[0]
+
+    def follow(self) -> None:
+        """A tensor-parallel follower: run what the leader mirrors until `stop`."""
+        try:
+            while True:
+                msg = self._receive()
+                op = msg["op"]
+                if op == "run":
+                    self._run(msg)
+                elif op == "free":
+                    for rid in msg["rids"]:
+                        self.shard.free(rid)
+                elif op == "export":
+                    self._export(msg["rid"], msg["first"], msg["last"])
+                elif op == "import":
+                    kv = self._receive()
+                    if msg["ok"]:
+                        self.shard.import_kv(msg["rid"], kv)
+                elif op == "stop":
+                    return
+        finally:
+            self.transport.close()
+
+    def endpoint(self, sock: zmq.Socket[Any]) -> str:
+        host = self.cfg.advertise
+        if not host and self.cfg.bind == "tcp://0.0.0.0":
+            host = socket.gethostbyname(socket.gethostname())
+        return advertised(sock.getsockopt_string(zmq.LAST_ENDPOINT), host)
+
+    def serve(self) -> None:
+        """Announce the node, then handle commands and KV requests until `stop`."""
+        self.out.send_json({"kind": "ready", "rank": self.cfg.rank, "cmd": self.endpoint(self.cmd),
+                            "kv": self.endpoint(self.kv_server)})
+        poller = zmq.Poller()
+        poller.register(self.cmd, zmq.POLLIN)
+        poller.register(self.kv_server, zmq.POLLIN)
+        try:
+            while True:
+                events = dict(poller.poll(1000))
+                if self.cfg.parent_pid and os.getppid() != self.cfg.parent_pid:
+                    break  # orphaned: the scheduler is gone
+                self._expire_kept()
+                if self.kv_server in events:
+                    self._serve_take()
+                if self.cmd in events and not self._handle(self.cmd.recv_json()):
+                    break
+        except Exception:  # report, then die: the instance is broken (downstream nodes would wait forever)
+            self.out.send_json({"kind": "error", "rank": self.cfg.rank, "message": traceback.format_exc()})
+            raise
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        for sock in [self.cmd, self.kv_server, self.out, *self.kv_clients.values()]:
+            sock.close(linger=100)
+        self.transport.close()
+
+    def _handle(self, msg: dict[str, Any]) -> bool:
+        op = msg["op"]
+        if op in ("run", "free", "stop"):
+            self._mirror(msg)
+        if op == "run":
+            self._run(msg)
+        elif op == "free":
+            for rid in msg["rids"]:
+                self.shard.free(rid)
+        elif op == "keep":
+            now = time.monotonic()
+            self.kept.update(dict.fromkeys(msg["rids"], now))
+        elif op == "pull":
+            self._pull(msg)
+        elif op == "stop":
+            return False
+        return True
+
+    def _run(self, msg: dict[str, Any]) -> None:
+        """One micro-batch: each request's new tokens through the shard; hidden states to the next stage, or
+        greedy tokens (and logits if asked) to the scheduler from the last stage."""
+        reqs, mb = msg["reqs"], msg["mb"]
+        sizes = [r["n"] for r in reqs]
+        if self.shard.is_first:
+            inputs = [torch.tensor(r["tokens"], dtype=torch.long) for r in reqs]
+        else:
+            shape = (sum(sizes), self.hidden)
+            if self.shard.tp_rank:
+                flat = torch.empty(shape, dtype=self.shard.dtype, device=self.shard.device)
+            else:
+                flat = self.transport.recv(shape, self.shard.dtype, self.process(msg["src"]), mb)
+            if self.tp_group is not None:
+                dist.broadcast(flat, src=self.leader_process, group=self.tp_group)
+            inputs = list(torch.split(flat, sizes))
+        outs = [self.shard.forward_request(r["rid"], x, r["start"]) for r, x in zip(reqs, inputs, strict=True)]
+        if self.shard.tp_rank:
+            return  # the leader sends the result on
+        if not self.shard.is_last:
+            self.transport.send(torch.cat(outs), self.process(msg["dst"]), mb)
+            return
+        logits = torch.stack(outs)
+        tokens = logits.argmax(-1).tolist()
+        header = json.dumps({"kind": "tokens", "mb": mb, "tokens": tokens}).encode()
+        if msg.get("logits"):
+            self.out.send_multipart([header, *tensor_frames([logits])])
+        else:
+            self.out.send_multipart([header])
+
+    def _expire_kept(self) -> None:
+        cutoff = time.monotonic() - self.cfg.kv_ttl_s
+        expired = [r for r, t in self.kept.items() if t < cutoff]
+        for rid in expired:
+            self.kept.pop(rid)
+        if expired:
+            self._handle({"op": "free", "rids": expired})
+
+    def _serve_take(self) -> None:
+        """Answer every waiting `take` {rid, first, last}: the layers' KV, removed from this node."""
+        while True:
+            try:
+                ident, empty, raw = self.kv_server.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            ask = json.loads(raw)
+            self._mirror({"op": "export", **ask})
+            layers = self._export(ask["rid"], ask["first"], ask["last"])
+            if layers is None:
+                error = f"request {ask['rid']}: no KV on layers [{self.shard.first}, {self.shard.last})"
+                self.kv_server.send_multipart([ident, empty, json.dumps({"error": error}).encode()])
+                continue
+            if ask["rid"] not in self.shard.kv:
+                self.kept.pop(ask["rid"], None)
+            order = sorted(layers)
+            tensors = [t for i in order for t in layers[i]]
+            self.kv_server.send_multipart(
+                [ident, empty, json.dumps({"layers": order}).encode(), *tensor_frames(tensors)]
+            )
+
+    def _export(self, rid: str, first: int, last: int) -> dict[int, KV] | None:
+        """Remove and return the KV of layers [first, last) of `rid`, all heads (gathered on the leader; None
+        there if some rank has none)."""
+        try:
+            mine: dict[int, KV] | None = self.shard.export_kv(rid, first, last)
+        except KeyError:
+            mine = None
+        if self.tp_group is None:
+            return mine
+        parts: list[Any] | None = [None] * self.shard.tp_size if not self.shard.tp_rank else None
+        dist.gather_object(mine, parts, dst=self.leader_process, group=self.tp_group)
+        if parts is None or any(p is None for p in parts):
+            return None
+        return {i: (torch.cat([p[i][0] for p in parts], 1), torch.cat([p[i][1] for p in parts], 1))
+                for i in parts[0]}
+
+    def _pull(self, msg: dict[str, Any]) -> None:
+        """Fetch this shard's layers of a request prefilled elsewhere, from the nodes holding each of them, and
+        tell the scheduler whether that worked (if not, it prefills the request here instead)."""
+        try:
+            kv, ok = self._take_all(msg), True
+        except (TimeoutError, KeyError, zmq.ZMQError):
+            kv, ok = {}, False
+        self._mirror({"op": "import", "rid": msg["rid"], "ok": ok}, kv, has_payload=True)
+        if ok:
+            self.shard.import_kv(msg["rid"], kv)
+        self.out.send_json({"kind": "pulled", "rank": self.cfg.rank, "rid": msg["rid"], "ok": ok})
+
+    def _take_all(self, msg: dict[str, Any]) -> dict[int, KV]:
+        """This shard's layers of the request, taken from the prefill nodes holding them."""
+        out: dict[int, KV] = {}
+        for src in msg["sources"]:
+            first, last = max(src["first"], self.shard.first), min(src["last"], self.shard.last)
+            if first >= last:
+                continue
+            sock = self.kv_clients.get(src["kv"])
+            if sock is None:
+                sock = self.kv_clients[src["kv"]] = self.ctx.socket(zmq.REQ)
+                sock.connect(src["kv"])
+            sock.send_json({"rid": msg["remote_rid"], "first": first, "last": last})
+            if not sock.poll(30_000):
+                self.kv_clients.pop(src["kv"]).close(linger=0)  # a REQ socket without its answer is stuck
+                raise TimeoutError(f"KV of {msg['remote_rid']} layers [{first}, {last}): no answer from {src['kv']}")
+            frames = sock.recv_multipart()
+            head = json.loads(frames[0])
+            if "error" in head:
+                raise KeyError(f"KV of {msg['remote_rid']} from {src['kv']}: {head['error']}")
+            tensors = frames_tensors(frames[1:])
+            out.update({i: (tensors[2 * j], tensors[2 * j + 1]) for j, i in enumerate(head["layers"])})
+        missing = set(range(self.shard.first, self.shard.last)) - set(out)
+        if missing:
+            raise KeyError(f"KV of {msg['remote_rid']}: no source for layers {sorted(missing)}")
+        return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of a node process: `python -m coral.engine.node '<NodeConfig JSON>'`."""
+    cfg = NodeConfig(**json.loads((argv or sys.argv[1:])[0]))
+    torch.set_num_threads(cfg.threads)
+    process = cfg.process_rank if cfg.process_rank >= 0 else cfg.rank
+    transport = DistTransport(cfg.dist_backend, cfg.dist_init, process, cfg.world_size, cfg.device)
+    tp_group = None
+    for ranks in cfg.tp_groups:  # every process creates every group, in the same order
+        group = dist.new_group(ranks)
+        if process in ranks:
+            tp_group = group
+    ctx: zmq.Context[Any] = zmq.Context()
+    node = Node(cfg, transport, ctx, tp_group)
+    if node.shard.tp_rank:
+        node.follow()
+    else:
+        node.serve()
+    ctx.term()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,73 @@
+"""The Coral pipeline engine as a controller backend: each plan instance runs on this machine as one process
+per node (`coral.engine`), its stages mapped onto a checkpoint's layers.
+
+Without a checkpoint, the tiny Llama model (`coral.engine.tiny_model`) is made once in a cache directory and
+serves every model of the plan under the plan's model names: the plan's layer split is scaled to its 8 layers,
+so instances of up to 8 stages run (see `coral.engine.layout`), and a node's TP degree is capped at 2 (its KV
+heads; see `CoralInstance.node_tp`).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+from coral.allocation.plan import PlanInstance
+from coral.engine.instance import CoralInstance, EngineConfig
+from coral.runtime.backends import Handle
+
+SERVE_MODEL_LAYERS = 8
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "coral"
+
+
+class CoralEngineBackend:
+    def __init__(
+        self,
+        checkpoint: Path | None = None,
+        config: EngineConfig | None = None,
+        cache_dir: Path | None = None,
+        log_dir: Path | None = None,
+    ) -> None:
+        self.checkpoint = checkpoint
+        self.config = config or EngineConfig()
+        self.cache_dir = cache_dir or default_cache_dir()
+        self.log_dir = log_dir
+        self.instances: dict[str, CoralInstance] = {}
+        self._lock = threading.Lock()
+
+    def model_dir(self) -> Path:
+        """The checkpoint served: the given one, or the tiny model (made on first use)."""
+        if self.checkpoint is None:
+            from coral.engine.tiny_model import TinyLlamaSpec, make_tiny_llama
+
+            spec = TinyLlamaSpec(num_hidden_layers=SERVE_MODEL_LAYERS, initializer_range=0.25)
+            self.checkpoint = make_tiny_llama(self.cache_dir / "tiny-llama", spec)
+        return self.checkpoint
+
+    def start(self, instance: PlanInstance) -> Handle:
+        with self._lock:
+            running = self.instances.get(instance.id)
+            if running is None or not running.alive():
+                if running is not None:
+                    running.stop()
+                running = CoralInstance.from_plan(instance, self.model_dir(), self.config, self.log_dir).start()
+                self.instances[instance.id] = running
+        return {"url": running.url, "pids": [p.pid for p in running.procs]}
+
+    def stop(self, instance_id: str, handle: Handle) -> None:
+        with self._lock:
+            running = self.instances.pop(instance_id, None)
+        if running is not None:
+            running.stop()
+
+    def alive(self, instance_id: str, handle: Handle) -> bool:
+        running = self.instances.get(instance_id)
+        return running is not None and running.alive()
+
+    def close(self) -> None:
+        for iid in list(self.instances):
+            self.stop(iid, {})

@@ -1,0 +1,273 @@
+"""Coral pipeline engine, in-process (nodes as threads, same node and scheduler code): greedy outputs of any
+layout (1..4 stages, uneven layers, data-parallel nodes, concurrent requests, PD between different layouts) are
+token-identical to the model run whole by transformers, with logits within float tolerance."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from coral.engine.instance import CoralInstance, EngineConfig
+from coral.engine.layout import Layout, scale_layers
+from coral.engine.reference import WholeModel
+from coral.engine.scheduler import Request, SmoothWRR
+from coral.engine.tiny_model import TinyLlamaSpec, make_tiny_llama
+from coral.runtime.handmade import make_instance
+
+pytestmark = pytest.mark.timeout(300)
+
+N_LAYERS = 6
+ATOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    spec = TinyLlamaSpec(num_hidden_layers=N_LAYERS, initializer_range=0.25)
+    return make_tiny_llama(tmp_path_factory.mktemp("engine") / "tiny", spec)
+
+
+@pytest.fixture(scope="module")
+def whole(ckpt):
+    return WholeModel(ckpt)
+
+
+def run_requests(
+    inst: CoralInstance, prompts: list[list[int]], max_tokens: list[int]
+) -> list[tuple[list[int], torch.Tensor, list[str | None]]]:
+    """Submit all requests at once (no stop at EOS); per request: tokens, logits per step, finish reasons."""
+    assert inst.scheduler is not None
+    done = [threading.Event() for _ in prompts]
+    results: list[tuple[list[int], list[list[float]], list[str | None]]] = [([], [], []) for _ in prompts]
+
+    def on_event(i: int):  # type: ignore[no-untyped-def]
+        def handle(token, finish, logits):  # type: ignore[no-untyped-def]
+            if token is not None:
+                results[i][0].append(token)
+                results[i][1].append(logits)
+            results[i][2].append(finish)
+            if finish is not None:
+                done[i].set()
+
+        return handle
+
+    for i, (p, n) in enumerate(zip(prompts, max_tokens, strict=True)):
+        inst.scheduler.submit(Request(rid=f"r{i}", prompt=p, max_tokens=n, on_event=on_event(i), want_logits=True))
+    for ev in done:
+        assert ev.wait(120), "request not finished"
+    return [(t, torch.tensor(lg), f) for t, lg, f in results]
+
+
+def assert_exact(whole: WholeModel, prompts, max_tokens, results) -> None:  # type: ignore[no-untyped-def]
+    for p, n, (tokens, logits, finishes) in zip(prompts, max_tokens, results, strict=True):
+        ref_tokens, ref_logits = whole.greedy(p, n)
+        assert tokens == ref_tokens
+        assert torch.allclose(logits, ref_logits, atol=ATOL, rtol=0), float((logits - ref_logits).abs().max())
+        assert finishes[-1] == "length" and finishes[:-1] == [None] * (n - 1)
+
+
+def local(layout: Layout, ckpt, **kw) -> CoralInstance:  # type: ignore[no-untyped-def]
+    return CoralInstance(layout, ckpt, EngineConfig(local=True, http=kw.pop("http", False), **kw)).start()
+
+
+# --- layout and routing ------------------------------------------------------------------------------------
+
+
+def test_scale_layers_golden():
+    assert scale_layers([40, 24], 4) == [2, 2]
+    assert scale_layers([60, 4], 4) == [3, 1]
+    assert scale_layers([10, 10, 10, 10], 4) == [1, 1, 1, 1]
+    assert scale_layers([3, 5], 8) == [3, 5]
+    with pytest.raises(ValueError, match="fewer than the instance's 5 stages"):
+        scale_layers([1] * 5, 4)
+
+
+@given(st.lists(st.integers(1, 80), min_size=1, max_size=6), st.integers(6, 40))
+@settings(max_examples=60, derandomize=True, deadline=None)
+def test_scale_layers_properties(layers, total):
+    out = scale_layers(layers, total)
+    assert sum(out) == total and min(out) >= 1 and len(out) == len(layers)
+    for i in range(len(layers)):  # a stage planned larger never gets fewer layers
+        for j in range(len(layers)):
+            if layers[i] > layers[j]:
+                assert out[i] >= out[j]
+
+
+def test_layout_from_plan_scales_split_and_keeps_nodes():
+    inst = make_instance("m", "decode", [(40, ["1xL4", "1xA10G"]), (24, ["1xL40S"])], 900.0)
+    layout = Layout.from_plan(inst, 4)
+    assert [(n.rank, n.stage, n.config, n.first, n.last) for n in layout.nodes] == [
+        (0, 0, "1xL4", 0, 2), (1, 0, "1xA10G", 0, 2), (2, 1, "1xL40S", 2, 4),
+    ]
+    assert [n.rank for n in layout.holders(3)] == [2] and layout.n_layers == 4
+
+
+def test_smooth_wrr_golden_and_proportional():
+    wrr = SmoothWRR([5, 1, 1])
+    assert [wrr.pick() for _ in range(7)] == [0, 0, 1, 0, 2, 0, 0]  # nginx's interleaving
+    wrr = SmoothWRR([300.0, 100.0])
+    picks = [wrr.pick() for _ in range(400)]
+    assert picks.count(0) == 300
+
+
+# --- exactness -------------------------------------------------------------------------------------------
+
+
+@st.composite
+def layouts(draw):  # type: ignore[no-untyped-def]
+    n_stages = draw(st.integers(1, 4))
+    cuts = sorted(draw(st.lists(st.integers(1, N_LAYERS - 1), min_size=n_stages - 1, max_size=n_stages - 1,
+                                unique=True)))
+    bounds = [0, *cuts, N_LAYERS]
+    layers = [b - a for a, b in itertools.pairwise(bounds)]
+    widths = draw(st.lists(st.integers(1, 2), min_size=n_stages, max_size=n_stages))
+    weights = [[draw(st.sampled_from([1.0, 2.0, 5.0])) for _ in range(w)] for w in widths]
+    return Layout.of(layers, [[f"n{s}.{k}" for k in range(w)] for s, w in enumerate(widths)], weights)
+
+
+@given(layout=layouts(), seed=st.integers(0, 2**16))
+@settings(max_examples=16, derandomize=True, deadline=None, suppress_health_check=list(HealthCheck))
+def test_random_layouts_match_the_whole_model(ckpt, whole, layout, seed):
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(7, 1024) for _ in range(rng.randint(1, 12))] for _ in range(3)]
+    max_tokens = [rng.randint(1, 6) for _ in prompts]
+    inst = local(layout, ckpt)
+    try:
+        results = run_requests(inst, prompts, max_tokens)
+    finally:
+        inst.stop()
+    assert_exact(whole, prompts, max_tokens, results)
+
+
+def test_continuous_batching_many_requests_is_exact(ckpt, whole):
+    """12 requests of different lengths at once over DP nodes: micro-batches mix prefills and decode steps and
+    requests join and leave them, outputs unchanged."""
+    rng = random.Random(7)
+    layout = Layout.of([1, 3, 2], [["a", "b"], ["c"], ["d", "e"]], [[1, 2], [1], [3, 1]])
+    prompts = [[rng.randrange(7, 1024) for _ in range(rng.randint(1, 20))] for _ in range(12)]
+    max_tokens = [rng.randint(1, 10) for _ in prompts]
+    inst = local(layout, ckpt, max_batch=4, max_inflight=3)
+    try:
+        results = run_requests(inst, prompts, max_tokens)
+        assert inst.scheduler is not None
+        batches = inst.scheduler.batches
+    finally:
+        inst.stop()
+    assert_exact(whole, prompts, max_tokens, results)
+    assert batches < sum(max_tokens)  # several requests per micro-batch
+
+
+def test_paths_follow_node_weights(ckpt):
+    layout = Layout.of([3, 3], [["a", "b"], ["c"]], [[3.0, 1.0], [1.0]])
+    inst = local(layout, ckpt)
+    assert inst.scheduler is not None
+    finished = threading.Semaphore(0)
+    reqs = [Request(rid=f"p{i}", prompt=[9, 10], max_tokens=1, on_event=lambda t, f, lg: finished.release())
+            for i in range(8)]
+    try:
+        for req in reqs:
+            inst.scheduler.submit(req)
+        for _ in reqs:
+            assert finished.acquire(timeout=30)
+    finally:
+        inst.stop()
+    first_stage = [r.path[0] for r in reqs]
+    assert first_stage.count(0) == 6 and first_stage.count(1) == 2 and {r.path[1] for r in reqs} == {2}
+
+
+def test_pd_between_different_layouts_is_exact(ckpt, whole):
+    """Prefill on 2 stages [4, 2], decode on 3 stages [1, 2, 3] with 2 nodes in the middle stage: each decode
+    node takes exactly its layers from the prefill node holding them, over the HTTP PD protocol."""
+    pre = local(Layout.of([4, 2], [["p0"], ["p1"]], instance_id="pre", model="tiny"), ckpt, http=True)
+    dec = local(Layout.of([1, 2, 3], [["d0"], ["d1", "d2"], ["d3"]], instance_id="dec", model="tiny"), ckpt,
+                http=True)
+    rng = random.Random(3)
+    try:
+        for n_prompt, n_out in [(5, 6), (1, 3), (13, 1), (8, 4)]:
+            prompt = [rng.randrange(7, 1024) for _ in range(n_prompt)]
+            body = {"model": "tiny", "prompt": prompt, "max_tokens": n_out, "ignore_eos": True,
+                    "return_token_ids": True}
+            pd = {**body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
+            first = httpx.post(f"{pre.url}/v1/completions", json=pd, timeout=30).json()
+            kv = first["kv_transfer_params"]
+            assert kv["do_remote_prefill"] and [s["first"] for s in kv["coral"]["sources"]] == [0, 4]
+            out = httpx.post(f"{dec.url}/v1/completions", json={**body, "kv_transfer_params": kv}, timeout=30)
+            ref, _ = whole.greedy(prompt, n_out)
+            assert out.json()["choices"][0]["token_ids"] == ref
+            assert first["choices"][0]["token_ids"] == ref[:1]
+        # KV already taken (or expired): the decode instance prefills locally, output unchanged
+        out = httpx.post(f"{dec.url}/v1/completions", json={**body, "kv_transfer_params": kv}, timeout=30)
+        assert out.json()["choices"][0]["token_ids"] == ref
+        assert pre.scheduler is not None and dec.scheduler is not None
+        assert not dec.scheduler.active and not pre.scheduler.active and dec.scheduler.remote_prefills == 4
+    finally:
+        pre.stop()
+        dec.stop()
+
+
+def test_http_streaming_chat_and_errors(ckpt, whole):
+    inst = local(Layout.of([2, 4], [["a"], ["b"]], instance_id="i", model="tiny"), ckpt, http=True)
+    try:
+        base = inst.url
+        assert httpx.get(f"{base}/health").json()["status"] == "ok"
+        assert httpx.get(f"{base}/v1/models").json()["data"][0]["id"] == "tiny"
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "hello world"}], "max_tokens": 5,
+                "stream": True, "ignore_eos": True, "return_token_ids": True}
+        with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=30) as r:
+            lines = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
+        assert lines[-1] == "data: [DONE]"
+        chunks = [json.loads(ln[6:]) for ln in lines[:-1]]
+        ids = [t for c in chunks for t in c["choices"][0]["token_ids"]]
+        assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(ckpt)
+        text = tok.apply_chat_template(body["messages"], add_generation_prompt=True, tokenize=False)
+        assert ids == whole.greedy(tok.encode(text, add_special_tokens=False), 5)[0]
+        # a client leaving mid-stream cancels its request: the scheduler forgets it, the nodes free its KV
+        long = {"model": "tiny", "prompt": "hello", "max_tokens": 500, "stream": True, "ignore_eos": True}
+        assert inst.scheduler is not None
+        before = inst.scheduler.batches
+        with httpx.stream("POST", f"{base}/v1/completions", json=long, timeout=30) as r:
+            next(r.iter_lines())
+        for _ in range(200):
+            if not inst.scheduler.active:
+                break
+            time.sleep(0.05)
+        assert not inst.scheduler.active and inst.scheduler.batches - before < 400
+        bad = httpx.post(f"{base}/v1/completions", json={"model": "other", "prompt": "x"})
+        assert bad.status_code == 404
+        bad = httpx.post(f"{base}/v1/completions", json={"model": "tiny", "prompt": [5000]})
+        assert bad.status_code == 400
+    finally:
+        inst.stop()
+
+
+def test_gpu_configuration_selects_nccl_and_cuda_devices(ckpt):
+    """No GPU here: check the node configurations a CUDA deployment gets (NCCL, one device per rank, the
+    rendezvous given, nodes started elsewhere reachable by their own address)."""
+    layout = Layout.of([2, 4], [["2xL4"], ["1xA10G", "1xL40S"]], instance_id="gpu", model="tiny")
+    cfg = EngineConfig(device="cuda", dist_backend="nccl", dist_init="tcp://10.0.0.1:29500", host="0.0.0.0",
+                       advertise="10.0.0.1", launch=False)
+    inst = CoralInstance(layout, ckpt, cfg)
+    try:
+        nodes = [json.loads(argv[-1]) for argv in inst.node_commands()]
+    finally:
+        inst.stop()
+    assert [n["device"] for n in nodes] == ["cuda:0", "cuda:1", "cuda:2", "cuda:3"]  # one GPU per process
+    assert [n["rank"] for n in nodes] == [0, 0, 1, 2] and {n["world_size"] for n in nodes} == {4}
+    assert nodes[0]["tp_groups"] == [[0, 1]] and nodes[0]["leaders"] == [0, 2, 3]
+    assert {n["dist_backend"] for n in nodes} == {"nccl"} and {n["dist_init"] for n in nodes} == {cfg.dist_init}
+    assert all(n["results"].startswith("tcp://10.0.0.1:") and n["bind"] == "tcp://0.0.0.0" for n in nodes)
+    assert [(n["first"], n["last"]) for n in nodes] == [(0, 2), (0, 2), (2, 6), (2, 6)]
+    with pytest.raises(ValueError, match="dist_init"):
+        CoralInstance(layout, ckpt, EngineConfig(launch=False)).open()

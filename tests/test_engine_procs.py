@@ -1,0 +1,101 @@
+"""Coral pipeline engine as real processes: one process per node with torch.distributed (gloo) activations,
+the HTTP server under the official `openai` client, and `coral serve --backend coral` with PD through the
+gateway and controller. Outputs are compared token for token with the model run whole by transformers."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+from coral.engine.instance import CoralInstance
+from coral.engine.reference import WholeModel
+from coral.engine.tiny_model import TinyLlamaSpec, make_tiny_llama
+from coral.runtime.coral_backend import SERVE_MODEL_LAYERS
+from coral.runtime.handmade import make_instance, make_plan
+from coral.runtime.server import free_port
+
+openai = pytest.importorskip("openai")
+pytestmark = pytest.mark.timeout(420)  # process start-up is slow on a loaded 2-core machine
+
+PROMPTS = [[11, 52, 300, 7], [500], [8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18], [999, 123, 45]]
+
+
+def test_multiprocess_instance_with_openai_client(tmp_path):
+    """2 stages, 2 data-parallel nodes of different types and TP degrees in the first (1xL4, 2xA10G): 4
+    processes over gloo, the 2xA10G node as a tensor-parallel pair."""
+    ckpt = make_tiny_llama(tmp_path / "tiny", TinyLlamaSpec(num_hidden_layers=4, initializer_range=0.25))
+    plan_inst = make_instance("tiny", "decode", [(40, ["1xL4", "2xA10G"]), (24, ["1xL40S"])], 900.0)
+    inst = CoralInstance.from_plan(plan_inst, ckpt, log_dir=tmp_path / "logs").start()
+    try:
+        assert inst.tp == [1, 2, 1] and len({p.pid for p in inst.procs}) == 4 and inst.alive()
+        client = openai.OpenAI(base_url=f"{inst.url}/v1", api_key="unused")
+
+        def complete(prompt: list[int]) -> list[int]:
+            r = client.completions.create(model="tiny", prompt=prompt, max_tokens=6,
+                                          extra_body={"ignore_eos": True, "return_token_ids": True})
+            return list(r.choices[0].model_extra["token_ids"])
+
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:  # concurrent requests: continuous batching
+            outputs = list(pool.map(complete, PROMPTS))
+        whole = WholeModel(ckpt)
+        assert outputs == [whole.greedy(p, 6)[0] for p in PROMPTS]
+        stream = client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "hello pipeline"}], max_tokens=4, stream=True
+        )
+        chunks = list(stream)
+        assert chunks[-1].choices[0].finish_reason in ("length", "stop")
+        inst.procs[-1].kill()  # a node dies: the instance reports unhealthy (the controller restarts it)
+        inst.procs[-1].wait(10)
+        assert not inst.alive() and httpx.get(f"{inst.url}/health").status_code == 503
+    finally:
+        inst.stop()
+    assert all(p.poll() is not None for p in inst.procs)
+
+
+def test_coral_serve_backend_coral_pd_through_gateway(tmp_path):
+    """`coral serve --backend coral`: prefill on [40 | 24] layers (a TP-2 node first), decode on [16 | 48] with
+    2 nodes in its second stage (one TP-2); the gateway's PD path hands the KV over re-sharded by layer (and by
+    head between TP degrees); outputs exact."""
+    plan = make_plan([
+        make_instance("phi-4", "prefill", [(40, ["2xL40S"]), (24, ["1xL4"])], 6000.0, template_id=1),
+        make_instance("phi-4", "decode", [(16, ["1xL4"]), (48, ["1xL4", "2xA10G"])], 500.0, template_id=2),
+    ])
+    plan_path = plan.save(tmp_path / "plan.json")
+    port = free_port()
+    cmd = [sys.executable, "-m", "coral.cli.main", "serve", "core", "--plan", str(plan_path), "--backend",
+           "coral", "--port", str(port), "--db", str(tmp_path / "serve.sqlite")]
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        ready = 0
+        while time.monotonic() < deadline and proc.poll() is None and ready < 2:
+            try:
+                st = httpx.get(f"{url}/state", timeout=2).json()
+                ready = sum(i["state"] == "ready" for i in st["instances"])
+            except httpx.HTTPError:
+                ready = 0
+            time.sleep(0.2)
+        assert ready == 2, proc.stdout.read().decode() if proc.poll() is not None and proc.stdout else st
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused")
+        r = client.completions.create(model="phi-4", prompt=PROMPTS[2], max_tokens=5,
+                                      extra_body={"ignore_eos": True, "return_token_ids": True})
+        ckpt = Path(tmp_path / "cache" / "coral" / "tiny-llama")
+        spec = TinyLlamaSpec(num_hidden_layers=SERVE_MODEL_LAYERS, initializer_range=0.25)
+        assert make_tiny_llama(ckpt, spec) == ckpt  # the model the backend made (no rewrite)
+        assert r.choices[0].model_extra["token_ids"] == WholeModel(ckpt).greedy(PROMPTS[2], 5)[0]
+        instances = httpx.get(f"{url}/state").json()["instances"]
+        assert {i["phase"]: i["served"] for i in instances} == {"prefill": 1, "decode": 1}
+        (decode_url,) = [i["url"] for i in instances if i["phase"] == "decode"]
+        assert httpx.get(f"{decode_url}/health").json()["remote_prefills"] == 1  # KV taken, not recomputed
+    finally:
+        proc.terminate()
+        proc.wait(30)
