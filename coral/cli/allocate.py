@@ -85,7 +85,8 @@ def allocate_cmd(
     console.print(f"in words: {solver_in_words(s)}")
     for note in s.notes:
         console.print(f"  [dim]{note}[/]")
-    path = plan.save(out / f"{Path(scenario).stem}.{mode}.{method}.plan.json")
+    engine_tag = "" if engine == "coral" else f".{engine}"
+    path = plan.save(out / f"{Path(scenario).stem}.{mode}.{method}{engine_tag}.plan.json")
     console.print(f"-> [bold]{path}[/]")
 
 
