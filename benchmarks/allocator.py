@@ -1,12 +1,14 @@
-"""Benchmark the online stage: solve time of the default and scarce settings, before/after the LP
-strengthening (rounding cuts), with and without request classes; optimality against an independent formulation
+"""Benchmark the online stage: solve time of the default and scarce settings, with and without the LP
+strengthening (rounding cuts) and the separate optima of the demand keys, with and without request classes; optimality against an independent formulation
 on core; solve time and gap vs library size, with and without the reductions.
 
     python benchmarks/allocator.py [--scenario extended] [--factor 1.75] [--scales 1 4 16] [--time-limit 60]
 
 Settings: "default" = the scenario's availability (headroom rule, resolved once, outside the timing), "scarce" =
-the headroom rule at `--factor`. "before" disables the rounding cuts (core.CUTS_PER_KEY = solver.CUT_ROUNDS = 0),
-"after" is the shipped solver; both run in one process, back to back, so their ratio is fair on a loaded machine.
+the headroom rule at `--factor`. Variants: "neither" disables the rounding cuts (core.CUTS_PER_KEY =
+solver.CUT_ROUNDS = 0) and the separate optima of the parts (solver.SEPARATE = False), "cuts" has the cuts only,
+"cuts+parts" is the shipped solver; all run in one process, back to back, so their ratios are fair on a loaded
+machine.
 Classes "off" plans one class per (model, phase) (the default), "auto" classes from the traces
 (see coral.allocation.classes).
 
@@ -60,10 +62,14 @@ def solve_row(case: str, plan: Plan, wall: float, **extra: object) -> dict[str, 
             "solve_s": r.time_s, "wall_s": wall, "mip_columns": r.n_variables}
 
 
-def strengthened(on: bool) -> None:
-    """Switch the rounding cuts on (shipped) or off (the solver before them)."""
-    core.CUTS_PER_KEY = 6 if on else 0
-    solver.CUT_ROUNDS = 12 if on else 0
+VARIANTS = {"neither": (False, False), "cuts": (True, False), "cuts+parts": (True, True)}  # the last is shipped
+
+
+def strengthened(cuts: bool, parts: bool) -> None:
+    """Switch the rounding cuts and the separate optima of the parts on (shipped) or off."""
+    core.CUTS_PER_KEY = 6 if cuts else 0
+    solver.CUT_ROUNDS = 12 if cuts else 0
+    solver.SEPARATE = parts
 
 
 def settings_rows(sc: Scenario, lib: TemplateLibrary, factor: float, time_limit: float, gap: float,
@@ -73,13 +79,13 @@ def settings_rows(sc: Scenario, lib: TemplateLibrary, factor: float, time_limit:
         for setting, avail in (("default", resolve_availability(scen, lib)),
                                (f"scarce x{factor:g}", resolve_availability(scen, lib, factor=factor))):
             allocate(lib, scen, availability=avail, time_limit=time_limit, gap=gap)  # warm the offline caches
-            for variant in ("before", "after"):
-                strengthened(variant == "after")
+            for variant, switches in VARIANTS.items():
+                strengthened(*switches)
                 t0 = time.perf_counter()
                 plan = allocate(lib, scen, availability=avail, time_limit=time_limit, gap=gap)
                 rows.append(solve_row(setting, plan, time.perf_counter() - t0, classes=classes, variant=variant))
                 console.print(rows[-1])
-    strengthened(True)
+    strengthened(True, True)
     return rows
 
 
@@ -162,12 +168,13 @@ def main() -> None:
                      "status": plan.solve.status, "cost": plan.cost_per_hour, "gap": plan.solve.gap,
                      "solve_s": plan.solve.time_s, "wall_s": time.perf_counter() - t0,
                      "mip_columns": plan.solve.n_variables})
-    print_table(f"Online solve on {args.scenario}, gap {args.gap:g}: before/after rounding cuts", settings, console)
-    for r in settings[1::2]:
-        before = next(b for b in settings if b["case"] == r["case"] and b["classes"] == r["classes"]
-                      and b["variant"] == "before")
-        console.print(f"{r['case']}, classes {r['classes']}: before/after solve time "
-                      f"{float(before['solve_s']) / float(r['solve_s']):.2f}x")  # type: ignore[arg-type]
+    print_table(f"Online solve on {args.scenario}, gap {args.gap:g}: without/with rounding cuts and separate parts",
+                settings, console)
+    for r in settings[len(VARIANTS) - 1::len(VARIANTS)]:
+        same = [b for b in settings if b["case"] == r["case"] and b["classes"] == r["classes"]]
+        ratios = ", ".join(f"{b['variant']} {float(b['solve_s']) / float(r['solve_s']):.2f}x"  # type: ignore[arg-type]
+                           for b in same if b is not r)
+        console.print(f"{r['case']}, classes {r['classes']}: solve time relative to the shipped solver: {ratios}")
     print_table("Exactness on core: allocator vs independent formulation", exact, console)
     print_table(f"Allocator on {args.scenario} (availability factor {args.factor:g}, gap {args.gap:g})", rows,
                 console)

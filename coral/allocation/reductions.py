@@ -130,3 +130,17 @@ def pareto_columns(group: np.ndarray, cost: np.ndarray, throughput: np.ndarray, 
             dom[np.arange(len(j)), j] = False
             out[idx[j[dom.any(axis=1)]]] = False
     return out
+
+
+def vector_dominated(counts: np.ndarray, ratings: np.ndarray, rows: np.ndarray, chunk: int = 64) -> np.ndarray:
+    """For each of `rows`: is it dominated by a row with no more of every node config and no less of every rating
+    (`ratings` (N, K), e.g. one per request class), one of them strictly or an identical row of lower index?"""
+    out = np.zeros(len(rows), dtype=bool)
+    c = counts.astype(np.int64)
+    for s in range(0, len(rows), chunk):
+        j = rows[s:s + chunk]
+        a, b = np.nonzero((ratings[None] >= ratings[j, None]).all(axis=2))  # a: index in j, b: candidate row
+        ok = (c[b] <= c[j[a]]).all(axis=1) & (b != j[a])
+        strict = (c[b] < c[j[a]]).any(axis=1) | (ratings[b] > ratings[j[a]]).any(axis=1) | (b < j[a])
+        out[s + np.unique(a[ok & strict])] = True
+    return out
