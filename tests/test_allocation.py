@@ -180,6 +180,34 @@ def test_separate_optima_are_lossless(seed: int) -> None:
     assert costs[0] == pytest.approx(costs[1], rel=1e-9) and costs[0] == pytest.approx(costs[2], rel=1e-9)
 
 
+def test_gap_budget_golden() -> None:
+    """Parts costing 2 (bound 1.9) and 3 (bound 3), the merged last part bounded by 4: at 10 % the whole may be
+    0.1 · (2 + 3 + 4) = 0.9 off, of which 0.1 is spent, so the last part may close at 0.8; at 1 % nothing is left."""
+    cost, x = np.ones(4), np.array([2.0, 3.0, 0.0, 5.0])
+    parts, bounds = [np.array([0]), np.array([1]), np.array([2, 3])], np.array([1.9, 3.0, 4.0])
+    assert solver.gap_budget(cost, x, parts, bounds, 0.1) == pytest.approx(0.8)
+    assert solver.gap_budget(cost, x, parts, bounds, 0.01) == 0.0
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_separate_optima_keep_the_requested_gap(seed: int) -> None:
+    """At a loose gap (2 %) the merged parts close at the whole's unused gap: the plan is still within 2 % of the
+    exact optimum, and the reported bound is a true lower bound."""
+    models = ["a", "b", "c"]
+    lib = random_library(100 + seed, models)
+    sc = scenario(models, rates=[6.0, 4.0, 5.0])
+    av = avail(int(np.random.default_rng(seed).integers(2, 7)))
+    try:
+        exact = allocate(lib, sc, availability=av, gap=1e-9, reduce=False)
+    except InfeasibleDemand:
+        return
+    loose = allocate(lib, sc, availability=av, gap=0.02)
+    check_plan(loose, av)
+    assert loose.solve.gap is not None and loose.solve.gap <= 0.02 + 1e-9
+    assert loose.cost_per_hour <= exact.cost_per_hour * 1.02 + 1e-9
+    assert loose.solve.bound is not None and loose.solve.bound <= exact.cost_per_hour + 1e-6
+
+
 # --- properties ----------------------------------------------------------------------------------------------
 @given(st.integers(0, 10_000), st.integers(3, 10), st.integers(1, 6))
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])

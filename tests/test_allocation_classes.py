@@ -28,8 +28,8 @@ from coral.templates.library import Stage, Template, TemplateLibrary
 
 REGION = "aws-us-east-2"
 CONFIGS = ["1xL4", "1xA10G", "1xL40S", "4xL4"]
-SHORT_LONG = [RequestClass(share=0.5, mean_input_tokens=100, mean_output_tokens=100, name="short"),
-              RequestClass(share=0.5, mean_input_tokens=100, mean_output_tokens=100, name="long")]
+SHORT_LONG = [RequestClass(share=0.5, mean_input_tokens=50, mean_output_tokens=100, name="short"),
+              RequestClass(share=0.5, mean_input_tokens=150, mean_output_tokens=100, name="long")]
 
 
 def scenario(request_classes: object, regions: list[str] | None = None) -> Scenario:
@@ -72,6 +72,7 @@ def test_quantile_classes_and_spread() -> None:
     cl = quantile_classes(inp, out, 2)
     assert [c.share for c in cl] == [0.5, 0.5]
     assert (cl[0].input_tokens, cl[0].output_tokens, cl[1].input_tokens) == (20, 1, 2000)
+    assert [c.max_input_tokens for c in cl] == [30, None]
     assert prompt_spread(np.full(10, 7)) == 1.0
     split = demand_split(cl, "prefill")
     assert split == pytest.approx([60 / 6060, 6000 / 6060])
@@ -110,6 +111,13 @@ def test_golden_specialists_share_the_work(monkeypatch: pytest.MonkeyPatch) -> N
     assert plan.cost_per_hour == pytest.approx(p["1xL4"] + p["1xL40S"])
     assert sorted(i.template_id for i in plan.instances) == [0, 1]
     assert plan.serving[-1].served_fraction == pytest.approx(1.0)
+    # the plan tells routers who serves which class: the L4 the short requests, the L40S the long ones
+    shares = {i.template_id: i.class_throughput for i in plan.instances}
+    assert shares[0] == pytest.approx({"short": 100.0, "long": 0.0})
+    assert shares[1] == pytest.approx({"short": 0.0, "long": 100.0})
+    assert [(c.name, c.max_input_tokens) for c in plan.request_classes["phi-4"]] == [("short", 100.0), ("long", None)]
+    assert plan.class_of("phi-4", 100) == "short" and plan.class_of("phi-4", 101) == "long"
+    assert plan.instances[0].weight_for("long") == 0.0 and plan.instances[0].weight_for(None) == 100.0
 
 
 def test_golden_class_split_changes_the_choice(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -124,6 +132,8 @@ def test_golden_class_split_changes_the_choice(monkeypatch: pytest.MonkeyPatch) 
     assert 3 * p["1xL4"] < 2 * p["1xL4"] + p["1xL40S"]
     assert plan.cost_per_hour == pytest.approx(3 * p["1xL4"])
     assert [i.template_id for i in plan.instances] == [0, 0, 0]
+    for inst in plan.instances:  # instances of one column split its work evenly: 200 short + 10 long over three
+        assert inst.class_throughput == pytest.approx({"c1": 200 / 3, "c2": 10 / 3})
 
 
 def _random_case(seed: int) -> tuple[TemplateLibrary, dict[int, list[float]], list[RequestClass]]:

@@ -364,3 +364,27 @@ def test_mixed_data_parallel_stage_gives_one_replica_set_per_config(tmp_path):
             if doc["kind"] == "Deployment":
                 reps[doc["metadata"]["name"]] = doc["spec"]["replicas"]
     assert reps == {"phi-4-decode-t8-aws-us-east-2-1xl4": 2, "phi-4-decode-t8-aws-us-east-2-1xl40s": 1}
+
+
+def test_endpoints_file_carries_request_classes(tmp_path):
+    """A plan with classes: the replica set of both phi-4 decode instances (800 tok/s each, 500 of class q1 and 300
+    of q2) gets class weights 1000 / 600, the file the plan's classes, and a gateway built from the file both."""
+    from coral.allocation.plan import PlanClass
+    from coral.cli.runtime import static_registry
+
+    plan = sample_plan()
+    shares = {"q1": 500.0, "q2": 300.0}
+    classes = [PlanClass(name="q1", share=0.5, mean_input_tokens=100, mean_output_tokens=50, max_input_tokens=200),
+               PlanClass(name="q2", share=0.5, mean_input_tokens=900, mean_output_tokens=50)]
+    plan = plan.model_copy(update={"request_classes": {"phi-4": classes}, "instances": [
+        i.model_copy(update={"class_throughput": shares}) if i.model == "phi-4" and i.phase == "decode" else i
+        for i in plan.instances]})
+    render(plan, "kubernetes", tmp_path)
+    spec = EndpointsFile.load(tmp_path / "endpoints.json")
+    eps = {e.id: e for e in spec.endpoints}
+    assert eps["phi-4-decode-t2-aws-us-east-2"].class_weights == pytest.approx({"q1": 1000.0, "q2": 600.0})
+    assert eps["phi-4-prefill-t1-aws-us-east-2"].class_weights is None
+    assert [c.name for c in spec.request_classes["phi-4"]] == ["q1", "q2"]
+    registry = static_registry(spec)
+    assert registry.class_of("phi-4", 150) == "q1" and registry.class_of("phi-4", 5000) == "q2"
+    assert registry.get("phi-4-decode-t2-aws-us-east-2").weight_for("q2") == pytest.approx(600.0)

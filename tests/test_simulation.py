@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
-from coral.allocation.plan import Plan, PlanInstance, PlanStage
+from coral.allocation.plan import Plan, PlanClass, PlanInstance, PlanStage
 from coral.catalog.loader import CoralInputError, builtin_catalog, load_scenario
 from coral.cli import simulate as simulate_cli
 from coral.perf import Phase, RooflineModel, Workload
@@ -352,6 +352,33 @@ def test_wrr_splits_by_template_throughput() -> None:
     served = {i.id: i.served for i in res.instances}
     share = served[small.id] / (served[small.id] + served[big.id])
     assert share == pytest.approx(small.throughput / (small.throughput + big.throughput), abs=0.002)
+
+
+@pytest.mark.parametrize("router", ["wrr", "lor"])
+def test_requests_follow_their_planned_length_class(router: str) -> None:
+    """A plan with a short (prompt ≤ 500) and a long class: prefill A is planned for short prompts only, B for
+    long ones; decode C takes short 3:1 against D, and all of the long. Alternating 100- and 2000-token prompts:
+    A serves exactly the short ones, B the long ones, C a quarter of the short ones (WRR) and none of the long."""
+    a = instance("phi-4", "prefill", [(40, ["1xL40S"])], 0, 1).model_copy(
+        update={"class_throughput": {"short": 50.0, "long": 0.0}})
+    b = instance("phi-4", "prefill", [(40, ["4xL40S"])], 0, 2).model_copy(update={"class_throughput": {"long": 9.0}})
+    c = instance("phi-4", "decode", [(40, ["4xL40S"])], 0, 3).model_copy(
+        update={"class_throughput": {"short": 1.0, "long": 0.0}})
+    d = instance("phi-4", "decode", [(40, ["4xL40S"])], 0, 4).model_copy(
+        update={"class_throughput": {"short": 3.0, "long": 5.0}})
+    classes = [PlanClass(name="short", share=0.5, mean_input_tokens=100, mean_output_tokens=4, max_input_tokens=500),
+               PlanClass(name="long", share=0.5, mean_input_tokens=2000, mean_output_tokens=4)]
+    plan = plan_of("core", [a, b, c, d]).model_copy(update={"request_classes": {"phi-4": classes}})
+    n = 400
+    reqs = RequestSet(np.arange(n) * 0.05, np.where(np.arange(n) % 2 == 0, 100, 2000), np.full(n, 4))
+    res = simulate(plan, SC, one_model(reqs), duration_s=60, seed=0, router=router)
+    pr = res.per_request()
+    assert (pr["done_count"] == 1).all()
+    served = {i.id: i.served for i in res.instances}
+    assert (served[a.id], served[b.id]) == (n // 2, n // 2)
+    assert served[c.id] + served[d.id] == n
+    if router == "wrr":
+        assert served[c.id] == n // 8
 
 
 def test_full_dp_node_does_not_hold_up_the_others() -> None:

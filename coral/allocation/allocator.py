@@ -13,7 +13,7 @@ import numpy as np
 from coral.allocation import core, solver
 from coral.allocation.classes import KeyClasses, key_classes
 from coral.allocation.demand import DemandKey, scenario_demand
-from coral.allocation.plan import Plan, SolveReport
+from coral.allocation.plan import Plan, PlanClass, SolveReport
 from coral.catalog.loader import Catalog, CoralInputError, builtin_catalog
 from coral.catalog.schema import Scenario
 from coral.perf.model import Phase
@@ -114,18 +114,30 @@ def _solve_maxmin(ctx: _Context, weights: np.ndarray, time_limit: float, gap: fl
     return out, layout, t
 
 
+def _class_served(ctx: _Context, layout: core.Layout, x: np.ndarray) -> np.ndarray | None:
+    """(columns, classes) tokens/s each column's instances serve per class in a solution (the shares capped by
+    the rounded instance counts); None without request classes."""
+    if not len(layout.share_parent) or ctx.cols.class_thr is None:
+        return None
+    nu = np.round(x[:layout.n_x])
+    j, c = layout.share_parent, layout.share_class
+    share = np.maximum(x[layout.share_start:], 0.0)
+    used = np.bincount(j, share, minlength=layout.n_x)
+    share = share * np.minimum(1.0, nu[j] / np.where(used[j] > 0, used[j], 1.0))
+    served = np.zeros((layout.n_x, ctx.cols.class_thr.shape[1]))
+    np.add.at(served, (j, c), ctx.cols.class_thr[j, c] * share)
+    return served
+
+
 def _capacity(ctx: _Context, layout: core.Layout, x: np.ndarray) -> np.ndarray:
     """Tokens/s each key's instances serve in a solution (rounded instance counts); for a key with classes, its
     demand × the least served fraction over its classes (shares capped by the rounded instances)."""
     nu = np.round(x[:layout.n_x])
     cap = np.bincount(ctx.cols.key, ctx.cols.throughput * nu, minlength=len(ctx.demand))
-    if len(layout.share_parent) and ctx.cols.class_thr is not None:
-        j, c = layout.share_parent, layout.share_class
-        share = np.maximum(x[layout.share_start:], 0.0)
-        used = np.bincount(j, share, minlength=layout.n_x)
-        share = share * np.minimum(1.0, nu[j] / np.where(used[j] > 0, used[j], 1.0))
-        served = np.zeros((len(ctx.demand), ctx.cols.class_thr.shape[1]))
-        np.add.at(served, (ctx.cols.key[j], c), ctx.cols.class_thr[j, c] * share)
+    col_served = _class_served(ctx, layout, x)
+    if col_served is not None:
+        served = np.zeros((len(ctx.demand), col_served.shape[1]))
+        np.add.at(served, ctx.cols.key, col_served)
         for k in ctx.cols.split:
             need = ctx.demand[k] * ctx.cols.split[k]
             cap[k] = ctx.demand[k] * float((served[k, :len(need)] / need).min()) if ctx.demand[k] > 0 else 0.0
@@ -147,9 +159,21 @@ def _plan(ctx: _Context, out: solver.Outcome, layout: core.Layout, mode: str, re
     x = np.round(out.x[:layout.n_x]).astype(int)
     chosen = [(int(ctx.cols.template[j]), int(ctx.cols.region[j]), int(x[j])) for j in np.flatnonzero(x > 0)]
     cap = _capacity(ctx, layout, out.x)
+    served = _class_served(ctx, layout, out.x)
+    class_thr: dict[tuple[int, int], dict[str, float]] = {}
+    if served is not None:
+        for j in np.flatnonzero(x > 0):
+            kc = ctx.classes.get(int(ctx.cols.key[j]))
+            if kc is not None:
+                class_thr[int(ctx.cols.template[j]), int(ctx.cols.region[j])] = {
+                    c.name: float(served[j, i] / x[j]) for i, c in enumerate(kc.classes)}
+    plan_classes = {ctx.keys[k][0]: [PlanClass(name=c.name, share=c.share, mean_input_tokens=c.input_tokens,
+                                               mean_output_tokens=c.output_tokens, max_input_tokens=c.max_input_tokens)
+                                     for c in kc.classes] for k, kc in sorted(ctx.classes.items())}
     return core.build_plan(ctx.library, ctx.scenario, ctx.keys, ctx.demand, ctx.market, chosen, method=method,
                            mode=mode, report=report, running=ctx.running, penalty_k=ctx.penalty_k,
-                           demand_scale=scale, capacity={ctx.keys[k]: float(cap[k]) for k in ctx.classes})
+                           demand_scale=scale, capacity={ctx.keys[k]: float(cap[k]) for k in ctx.classes},
+                           class_throughput=class_thr, request_classes=plan_classes)
 
 
 def diagnose(ctx: _Context, out: solver.Outcome, layout: core.Layout, t: float) -> InfeasibleDemand:

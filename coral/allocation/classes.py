@@ -1,12 +1,14 @@
 """Request-length classes (Mélange's setting): one model's requests split by length, each class with its own
 throughput on every template, a template's capacity shared by the classes it serves.
 
-Classes. `off` (the scenario default, until the simulator and the gateway route requests by class) plans one
-class with the scenario's means. `auto` derives classes from the model's trace: when the prompt lengths spread widely
-(p90 / p10 ≥ SPREAD_THRESHOLD), the requests are cut into AUTO_CLASSES equal-count buckets of prompt length, each
-with its share of the requests and its mean prompt and output lengths (rescaled so that the classes' mean
-lengths equal the scenario's `mean_input_tokens` / `mean_output_tokens`); otherwise, and for synthetic traces or
-`off`, one class with the scenario's means (the plain scalar demand). An explicit list is used as given.
+Classes. `off` (the scenario default: routed by class, class plans simulated on the real traces cost 3–4 %
+more without attaining more, see benchmarks/classes.py) plans one class with the scenario's means. `auto`
+derives classes from the model's trace: when the prompt lengths spread widely (p90 / p10 ≥ SPREAD_THRESHOLD),
+the requests are cut into AUTO_CLASSES equal-count buckets of prompt length, each with its share of the
+requests, its mean prompt and output lengths and its longest prompt (rescaled so that the classes' mean lengths
+equal the scenario's `mean_input_tokens` / `mean_output_tokens`); otherwise, and for synthetic traces or `off`,
+one class with the scenario's means (the plain scalar demand). An explicit list is used as given (sorted by
+mean prompt length; a class without `max_input_tokens` ends halfway to the next class's mean).
 
 Demand. Class c of a model gets the fraction share_c · len_c / Σ share · len of the phase's tokens/s (prefill:
 prompt lengths, decode: output lengths), so the classes together ask for exactly the phase's demand.
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
+from itertools import pairwise
 
 import numpy as np
 from pydantic import ValidationError
@@ -41,12 +44,14 @@ AUTO_CLASSES = 3
 
 @dataclass(frozen=True)
 class LengthClass:
-    """One request class: share of the model's requests and its mean lengths (tokens)."""
+    """One request class: share of the model's requests, its mean lengths (tokens) and the longest prompt it
+    takes (None: no limit; routers send a request to the first class whose limit its prompt does not exceed)."""
 
     name: str
     share: float
     input_tokens: float
     output_tokens: float
+    max_input_tokens: float | None = None
 
     @property
     def workload(self) -> Workload:
@@ -68,8 +73,10 @@ def quantile_classes(input_tokens: np.ndarray, output_tokens: np.ndarray, n: int
     if len(inp) < n or n < 1:
         raise ValueError(f"need at least {n} requests for {n} classes, got {len(inp)}")
     order = np.argsort(inp, kind="stable")
-    return [LengthClass(f"q{i + 1}", len(b) / len(inp), float(inp[b].mean()), float(out[b].mean()))
-            for i, b in enumerate(np.array_split(order, n))]
+    buckets = np.array_split(order, n)
+    return [LengthClass(f"q{i + 1}", len(b) / len(inp), float(inp[b].mean()), float(out[b].mean()),
+                        float(inp[b].max()) if i < n - 1 else None)
+            for i, b in enumerate(buckets)]
 
 
 def _trace_lengths(trace: str) -> tuple[np.ndarray, np.ndarray] | None:
@@ -86,8 +93,13 @@ def model_classes(sm: ScenarioModel) -> list[LengthClass]:
     """The classes a scenario model is planned with (see the module docstring)."""
     mean = [LengthClass("all", 1.0, sm.mean_input_tokens, sm.mean_output_tokens)]
     if isinstance(sm.request_classes, list):
-        return [LengthClass(c.name or f"c{i + 1}", c.share, c.mean_input_tokens, c.mean_output_tokens)
-                for i, c in enumerate(sm.request_classes)]
+        given = sorted(sm.request_classes, key=lambda c: c.mean_input_tokens)
+        limits: list[float | None] = [
+            c.max_input_tokens if c.max_input_tokens is not None else (c.mean_input_tokens + d.mean_input_tokens) / 2
+            for c, d in pairwise(given)]
+        limits.append(None)
+        return [LengthClass(c.name or f"c{i + 1}", c.share, c.mean_input_tokens, c.mean_output_tokens, lim)
+                for i, (c, lim) in enumerate(zip(given, limits, strict=True))]
     if sm.request_classes == "off":
         return mean
     lengths = _trace_lengths(sm.trace)
@@ -96,7 +108,8 @@ def model_classes(sm: ScenarioModel) -> list[LengthClass]:
     classes = quantile_classes(*lengths)
     f_in = sm.mean_input_tokens / sum(c.share * c.input_tokens for c in classes)
     f_out = sm.mean_output_tokens / sum(c.share * c.output_tokens for c in classes)
-    return [LengthClass(c.name, c.share, c.input_tokens * f_in, c.output_tokens * f_out) for c in classes]
+    return [LengthClass(c.name, c.share, c.input_tokens * f_in, c.output_tokens * f_out,
+                        None if c.max_input_tokens is None else c.max_input_tokens * f_in) for c in classes]
 
 
 def demand_split(classes: list[LengthClass], phase: Phase | str) -> np.ndarray:

@@ -13,7 +13,7 @@ import numpy as np
 
 from coral.allocation.classes import KeyClasses
 from coral.allocation.demand import DemandKey
-from coral.allocation.plan import ModelServing, Plan, PlanInstance, SolveReport
+from coral.allocation.plan import ModelServing, Plan, PlanClass, PlanInstance, SolveReport
 from coral.allocation.reductions import pareto_columns, undominated
 from coral.allocation.solver import Problem
 from coral.catalog.loader import Catalog, CoralInputError
@@ -479,9 +479,12 @@ def build_plan(
     penalty_k: float | None,
     demand_scale: float = 1.0,
     capacity: Mapping[DemandKey, float] | None = None,
+    class_throughput: Mapping[tuple[int, int], dict[str, float]] | None = None,
+    request_classes: dict[str, list[PlanClass]] | None = None,
 ) -> Plan:
     """A Plan from (template id, region index, count) triples. `demand` is what each key asked for; `capacity`
-    overrides the summed template ratings of keys planned with request classes."""
+    overrides the summed template ratings of keys planned with request classes, `class_throughput` gives each
+    (template, region index)'s instances their tokens/s per class and `request_classes` the models' classes."""
     instances: list[PlanInstance] = []
     cap = dict.fromkeys(keys, 0.0)
     key_cost = dict.fromkeys(keys, 0.0)
@@ -499,7 +502,8 @@ def build_plan(
         stages = [(st.layers, st.nodes, st.node_throughput) for st in tpl.stages]
         for i in range(count):
             instances.append(PlanInstance.of_stages(tpl.model, str(tpl.phase), t, region, i, stages, tpl.throughput,
-                                                    cost, counts=dict(tpl.counts)))
+                                                    cost, counts=dict(tpl.counts),
+                                                    class_throughput=(class_throughput or {}).get((t, r))))
         key = (tpl.model, Phase(tpl.phase))
         cap[key] = cap.get(key, 0.0) + count * tpl.throughput
         key_cost[key] = key_cost.get(key, 0.0) + count * cost
@@ -513,7 +517,7 @@ def build_plan(
                                     served_fraction=frac, cost_per_hour=key_cost[key]))
     return Plan(
         scenario=scenario.name, method=method, mode=mode, demand_scale=demand_scale,  # type: ignore[arg-type]
-        instances=instances, serving=serving, cost_per_hour=float(sum(i.cost_per_hour for i in instances)),
+        instances=instances, request_classes=request_classes or {}, serving=serving, cost_per_hour=float(sum(i.cost_per_hour for i in instances)),
         penalty_per_hour=penalty, solve=report,
         created_at=datetime.now(UTC).isoformat(timespec="seconds"),
     )

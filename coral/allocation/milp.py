@@ -81,6 +81,7 @@ def solve(
     maximise: bool = False,
     time_limit: float = 30.0,
     gap: float = 1e-4,
+    abs_gap: float | None = None,
     start: np.ndarray | None = None,
     cutoff: float | None = None,
     relax: bool = False,
@@ -88,7 +89,8 @@ def solve(
     """Solve min/max cost·x over rows and bounds; the best incumbent is returned on a time limit. `relax` drops
     integrality (then `row_dual` is filled). `start` is a feasible warm start of a minimisation, passed as an
     objective cutoff (HiGHS 1.16's setSolution returned the start vector with another solution's objective
-    on large models here) and returned when nothing better exists."""
+    on large models here) and returned when nothing better exists. The MIP stops at relative gap `gap` or, when
+    given, at absolute gap `abs_gap` (objective − bound), whichever comes first."""
     t0 = time.perf_counter()
     n = len(cost)
     lp = highspy.HighsLp()
@@ -111,6 +113,8 @@ def solve(
     h.setOptionValue("output_flag", False)
     h.setOptionValue("time_limit", float(max(time_limit, 0.01)))
     h.setOptionValue("mip_rel_gap", float(gap))
+    if abs_gap is not None:
+        h.setOptionValue("mip_abs_gap", float(abs_gap))
     start_obj = float(np.dot(cost, start)) if start is not None and not relax else None
     if start_obj is not None:
         cutoff = start_obj + 1e-9 * max(1.0, abs(start_obj)) if cutoff is None else min(cutoff, start_obj)

@@ -25,6 +25,16 @@ class PlanStage(_PlanModel):
     node_throughput: list[float] = Field(description="tokens/s each node sustains under the SLO (router weights)")
 
 
+class PlanClass(_PlanModel):
+    """A request-length class a model was planned with (see coral.allocation.classes)."""
+
+    name: str
+    share: float = Field(gt=0, le=1, description="fraction of the model's requests")
+    mean_input_tokens: float = Field(gt=0)
+    mean_output_tokens: float = Field(gt=0)
+    max_input_tokens: float | None = Field(default=None, description="longest prompt of the class (None: no limit)")
+
+
 class PlanInstance(_PlanModel):
     """One serving instance: a template instantiated once in one region."""
 
@@ -37,6 +47,9 @@ class PlanInstance(_PlanModel):
     stages: list[PlanStage]
     throughput: float = Field(gt=0, description="tokens/s under the SLO")
     cost_per_hour: float = Field(ge=0)
+    class_throughput: dict[str, float] | None = Field(
+        default=None, description="tokens/s of each request class this instance is planned to serve (router weights "
+        "per class); None: every class, in proportion to the throughput")
 
     @classmethod
     def of_stages(
@@ -50,6 +63,7 @@ class PlanInstance(_PlanModel):
         throughput: float,
         cost_per_hour: float,
         counts: dict[str, int] | None = None,
+        class_throughput: dict[str, float] | None = None,
     ) -> PlanInstance:
         """An instance from (layers, node configs, node tokens/s) per stage; layer offsets, the node counts
         (unless given) and the id follow from them."""
@@ -63,8 +77,14 @@ class PlanInstance(_PlanModel):
         return cls(
             id=f"{model}.{phase}.t{template_id}.{region}.{index}", model=model, phase=phase,  # type: ignore[arg-type]
             template_id=template_id, region=region, counts=counts, stages=plan_stages, throughput=throughput,
-            cost_per_hour=cost_per_hour,
+            cost_per_hour=cost_per_hour, class_throughput=class_throughput,
         )
+
+    def weight_for(self, request_class: str | None) -> float:
+        """Router weight of this instance for a request of `request_class` (None: no class)."""
+        if request_class is None or self.class_throughput is None:
+            return self.throughput
+        return self.class_throughput.get(request_class, 0.0)
 
     @property
     def n_nodes(self) -> int:
@@ -97,6 +117,14 @@ class SolveReport(_PlanModel):
     notes: list[str] = Field(default_factory=list)
 
 
+def class_of(classes: Sequence[PlanClass], input_tokens: float) -> str | None:
+    """The first class whose prompt limit `input_tokens` does not exceed (the last class takes the rest)."""
+    for c in classes:
+        if c.max_input_tokens is None or input_tokens <= c.max_input_tokens:
+            return c.name
+    return classes[-1].name if classes else None
+
+
 class Plan(_PlanModel):
     schema_version: Literal[1] = 1
     scenario: str
@@ -108,11 +136,17 @@ class Plan(_PlanModel):
     )
     demand_scale: float = Field(default=1.0, gt=0, description="uniform demand scale the plan was solved at")
     instances: list[PlanInstance]
+    request_classes: dict[str, list[PlanClass]] = Field(
+        default_factory=dict, description="per model planned with request-length classes, its classes, shortest first")
     serving: list[ModelServing]
     cost_per_hour: float = Field(ge=0, description="provisioning $/h")
     penalty_per_hour: float = Field(default=0.0, ge=0, description="amortised scale-up penalty $/h")
     solve: SolveReport
     created_at: str = ""
+
+    def class_of(self, model: str, input_tokens: float) -> str | None:
+        """The request class of a prompt of `input_tokens` for `model` (None when planned without classes)."""
+        return class_of(self.request_classes.get(model, []), input_tokens)
 
     def instances_of(self, model: str, phase: str) -> list[PlanInstance]:
         return [i for i in self.instances if i.model == model and i.phase == phase]

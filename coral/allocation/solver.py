@@ -16,7 +16,8 @@ key's columns alone is a lower bound L_k on what those columns cost in any feasi
 the whole problem, and when the keys' own optima fit the shared rows together they are its optimum (within the
 keys' gaps). Keys whose optima overflow a shared row together are merged and solved jointly (the same argument
 holds for a group of keys) until the optima fit or one group is left; then the full solve below runs, with
-Σ L_k as a bound.
+Σ L_k as a bound. The requested gap is on the whole objective, so a merged group may close at the absolute gap
+the other parts leave unused (`gap_budget`).
 
 Reduced-cost fixing (lossless). For any multipliers y of the rows with the right signs and reduced costs
 r = c − Aᵀy, every feasible x satisfies c·x ≥ z(y) + Σ_{r_j>0} r_j x_j with z(y) = Σ_i y_i b_i + Σ_{r_j<0} r_j u_j.
@@ -310,13 +311,14 @@ def separate_optima(p: Problem, *, time_limit: float, gap: float, start: np.ndar
     statuses = [""] * len(parts)
     n_cols = 0
     todo = list(range(len(parts)))
+    abs_gap: float | None = None
     while todo:
         for i in todo:
             cols = parts[i]
             sub, _rows = subproblem(p, cols)
             left = time_limit - (time.perf_counter() - t0)
             out = solve_block(sub, time_limit=max(0.05, left / len(todo)), gap=gap, separate=False,
-                              start=None if start is None else start[cols])
+                              start=None if start is None else start[cols], abs_gap=abs_gap)
             if out.x is None or out.bound is None or not np.isfinite(out.bound):
                 return None
             x[cols] = out.x
@@ -338,7 +340,16 @@ def separate_optima(p: Problem, *, time_limit: float, gap: float, start: np.ndar
         bounds = np.append(bounds[keep], bounds[clash].sum())
         statuses = [statuses[i] for i in keep] + [""]
         todo = [len(parts) - 1]
+        abs_gap = gap_budget(p.cost, x, parts, bounds, gap)
     return SeparateOptima(parts, x, bounds, statuses, n_cols, n_initial)
+
+
+def gap_budget(cost: np.ndarray, x: np.ndarray, parts: list[np.ndarray], bounds: np.ndarray, gap: float) -> float:
+    """Absolute gap the last part may close at so that the whole stays within relative `gap`: the gap is on the
+    sum of the parts, so the others' unused share goes to it. With O_i, B_i the others' objectives and bounds
+    and B the last part's bound (its objective is at least B): gap · (Σ O_i + B) − Σ (O_i − B_i)."""
+    others = [float(cost[c] @ x[c]) for c in parts[:-1]]
+    return max(0.0, gap * (sum(others) + float(bounds[-1])) - sum(o - b for o, b in zip(others, bounds[:-1], strict=True)))
 
 
 def overflowing_rows(p: Problem, x: np.ndarray) -> np.ndarray:
@@ -355,9 +366,11 @@ def solve_block(
     start: np.ndarray | None = None,
     reduce: bool = True,
     separate: bool = True,
+    abs_gap: float | None = None,
 ) -> Outcome:
     """Solve one block: the separate optima of its parts (the answer when they fit together, a bound otherwise),
-    LP by column generation, incumbent on a restricted set, reduced-cost fixing, MIP."""
+    LP by column generation, incumbent on a restricted set, reduced-cost fixing, MIP. The MIPs stop at relative
+    gap `gap` or absolute gap `abs_gap` (when given), whichever comes first."""
     import time
 
     t0 = time.perf_counter()
@@ -419,7 +432,7 @@ def solve_block(
         restricted = np.union1d(restricted, np.flatnonzero(start > 0))
     spent = time.perf_counter() - t0
     sub = milp.solve(p.cost[restricted], np.zeros(len(restricted)), p.upper[restricted], p.integer[restricted],
-                     p.rows(restricted), time_limit=max(0.05, 0.3 * (time_limit - spent)), gap=gap,
+                     p.rows(restricted), time_limit=max(0.05, 0.3 * (time_limit - spent)), gap=gap, abs_gap=abs_gap,
                      start=None if incumbent is None else incumbent[restricted])
     if sub.x is not None and sub.objective is not None and sub.objective < ub:
         incumbent = np.zeros(p.n)
@@ -438,7 +451,7 @@ def solve_block(
     notes.append(f"reduced-cost fixing kept {len(cols)} of {p.n} columns (incumbent {ub:.6g})")
     spent = time.perf_counter() - t0
     res = milp.solve(p.cost[cols], np.zeros(len(cols)), p.upper[cols], p.integer[cols], p.rows(cols),
-                     time_limit=max(0.05, time_limit - spent), gap=gap,
+                     time_limit=max(0.05, time_limit - spent), gap=gap, abs_gap=abs_gap,
                      start=None if incumbent is None else incumbent[cols])
     x = None
     if res.x is not None:

@@ -129,6 +129,9 @@ class RequestClass(_Strict):
     mean_input_tokens: float = Field(gt=0)
     mean_output_tokens: float = Field(gt=0)
     name: str = ""
+    max_input_tokens: float | None = Field(
+        default=None, gt=0, description="longest prompt routed to this class (default: halfway to the next class's "
+        "mean; the longest class takes the rest)")
 
 
 class ScenarioModel(_Strict):

@@ -71,9 +71,10 @@ def allocator_planner(
 
 def static_registry(spec: EndpointsFile) -> Registry:
     """A registry of ready endpoints from an endpoints file (health checks take unreachable ones out)."""
-    registry = Registry()
+    registry = Registry(classes=spec.request_classes)
     for e in spec.endpoints:
-        registry.add(Endpoint(e.id, e.model, e.phase, e.url, e.weight, InstanceState.READY))
+        registry.add(Endpoint(e.id, e.model, e.phase, e.url, e.weight, InstanceState.READY,
+                              class_weights=e.class_weights))
     return registry
 
 

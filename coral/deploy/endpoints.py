@@ -1,7 +1,8 @@
 """The endpoints file: where each rendered replica set answers, for a gateway in front of a deployment.
 
 `coral deploy --target kubernetes` writes `endpoints.json` (one row per Service, weight = planned tokens/s
-behind it); `coral gateway --endpoints endpoints.json` serves the OpenAI API over them.
+behind it, and per request class when the plan has classes); `coral gateway --endpoints endpoints.json` serves
+the OpenAI API over them.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from coral.allocation.plan import PlanClass
 from coral.catalog.loader import load_file
 
 
@@ -21,12 +23,16 @@ class EndpointSpec(BaseModel):
     phase: Literal["prefill", "decode"]
     url: str = Field(pattern=r"^https?://", description="API base, without /v1")
     weight: float = Field(gt=0, description="planned tokens/s behind this endpoint (router weight)")
+    class_weights: dict[str, float] | None = Field(
+        default=None, description="planned tokens/s per request class behind it (None: every class at `weight`)")
 
 
 class EndpointsFile(BaseModel):
     model_config = ConfigDict(extra="forbid")
     schema_version: Literal[1] = 1
     endpoints: list[EndpointSpec] = Field(min_length=1)
+    request_classes: dict[str, list[PlanClass]] = Field(
+        default_factory=dict, description="the plan's request classes per model (routing by prompt length)")
 
     def save(self, path: str | Path) -> Path:
         path = Path(path)

@@ -266,8 +266,11 @@ def k8s_pipeline(
 
 
 def _endpoint(service: str, inst: PlanInstance, weight: float) -> EndpointSpec:
+    """The endpoint of `service`: `weight` tokens/s of instances like `inst` (class weights in proportion)."""
+    per_class = inst.class_throughput
     return EndpointSpec(
-        id=service, model=inst.model, phase=inst.phase, url=f"http://{service}:{VLLM_PORT}", weight=weight
+        id=service, model=inst.model, phase=inst.phase, url=f"http://{service}:{VLLM_PORT}", weight=weight,
+        class_weights=None if per_class is None else {c: v * weight / inst.throughput for c, v in per_class.items()},
     )
 
 
@@ -350,7 +353,7 @@ def render(
                     role = f"rank{nl.rank}" if len(inst.stages) > 1 else f"replica{nl.replica}"
                     write(f"{dns_name(inst.id, limit=60)}.{role}.sh", node_script(inst, nl))
     if res.endpoints:
-        EndpointsFile(endpoints=res.endpoints).save(out / "endpoints.json")
+        EndpointsFile(endpoints=res.endpoints, request_classes=plan.request_classes).save(out / "endpoints.json")
     index = {
         "target": target,
         "endpoints": "endpoints.json" if res.endpoints else None,

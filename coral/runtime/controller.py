@@ -2,11 +2,13 @@
 
 Every `interval_s` (or on `/replan`) it asks the planner for a plan, stores it as the desired state, and
 reconciles by instance id: missing instances are started (the intent is written before the backend call),
-waited for on `/health` and registered in the gateway as ready; surplus instances are set draining in the
-gateway (no new requests), stopped once their in-flight count reaches 0 (or after `drain_timeout_s`) and
-removed. Desired instances, observed instances with their state and handle, and an action log live in one
-SQLite file, so a restarted controller re-registers the instances that survived, and finishes pending
-starts and drains (their action rows are completed, not duplicated).
+waited for on `/health` and registered in the gateway as ready with their planned tokens/s per request class
+(the gateway's registry takes the plan's request classes; kept instances whose plan entry changed are
+re-registered with the new weights); surplus instances are set draining in the gateway (no new requests),
+stopped once their in-flight count reaches 0 (or after `drain_timeout_s`) and removed. Desired instances,
+observed instances with their state and handle, and an action log live in one SQLite file, so a restarted
+controller re-registers the instances that survived, and finishes pending starts and drains (their action
+rows are completed, not duplicated).
 """
 
 from __future__ import annotations
@@ -153,6 +155,7 @@ class Controller:
     # --- state transitions --------------------------------------------------------------------------
     def resume(self) -> None:
         """Re-register the instances a previous run left running; forget the ones that died meanwhile."""
+        self._apply_classes()
         for iid, (inst, state, handle) in self.store.observed().items():
             if handle.get("url") and self.backend.alive(iid, handle):
                 if state != "starting":
@@ -162,8 +165,14 @@ class Controller:
                 self.store.observe(inst, "stopped", handle)
                 self.store.finish(seq, "done", "not running after controller restart")
 
+    def _apply_classes(self) -> None:
+        """Route by the stored plan's request classes."""
+        plan = self.store.plan()
+        self.registry.classes = plan.request_classes if plan is not None else {}
+
     def _register(self, inst: PlanInstance, handle: Handle, state: InstanceState) -> None:
-        self.registry.add(Endpoint(inst.id, inst.model, inst.phase, handle["url"], inst.throughput, state))
+        self.registry.add(Endpoint(inst.id, inst.model, inst.phase, handle["url"], inst.throughput, state,
+                                   class_weights=inst.class_throughput))
 
     def _wait_ready(self, url: str) -> bool:
         deadline = time.monotonic() + self.ready_timeout_s
@@ -213,6 +222,7 @@ class Controller:
     def reconcile(self) -> dict[str, list[str]]:
         """One pass: start what is missing (scale-ups first), then drain and stop what is surplus."""
         with self._lock:
+            self._apply_classes()
             desired = self.store.desired()
             observed = self.store.observed()
             started, stopped = [], []
@@ -221,8 +231,8 @@ class Controller:
                 if obs is None or obs[1] == "starting" or not self.backend.alive(iid, obs[2]):
                     self.start_instance(inst)  # new, interrupted start, or died while planned: (re)start
                     started.append(iid)
-                elif obs[1] == "draining":  # back in the plan before its drain finished
-                    self.registry.set_state(iid, InstanceState.READY)
+                elif obs[1] == "draining" or obs[0] != inst:  # back before its drain finished, or re-weighted
+                    self._register(inst, obs[2], InstanceState.READY)
                     self.store.observe(inst, "ready", obs[2])
             for iid, (inst, _state, handle) in observed.items():
                 if iid not in desired:
@@ -274,8 +284,8 @@ class Controller:
         """The runtime state read by `/state`, `coral status` and the dashboard (`coral.report.dashboard`):
 
         {"plan": Plan JSON | None,
-         "instances": [{id, model, phase, region, template_id, counts, throughput, cost_per_hour,
-                        desired, state (pending|starting|ready|draining), url,
+         "instances": [{id, model, phase, region, template_id, counts, throughput, class_throughput,
+                        cost_per_hour, desired, state (pending|starting|ready|draining), url,
                         healthy, weight, inflight, served, failed, target_share, observed_share}],
          "traffic": {model: {phase: {instance id: observed share}}},
          "latency": {model: {count, p50_ms, p99_ms, ttft_p50_ms, ttft_p99_ms}},
@@ -299,6 +309,7 @@ class Controller:
                 "template_id": inst.template_id,
                 "counts": inst.counts,
                 "throughput": inst.throughput,
+                "class_throughput": inst.class_throughput,
                 "cost_per_hour": inst.cost_per_hour,
                 "desired": iid in desired,
                 "state": obs[1] if obs else "pending",

@@ -4,10 +4,12 @@ Request path: admission (at most `max_concurrency` requests upstream, at most `m
 that 429 with Retry-After; 503 when the model has no routable instance) -> for a model with prefill and decode
 instances, a non-streaming `max_tokens: 1` request with `kv_transfer_params: {do_remote_decode: true}` to a
 prefill instance, then the client's request plus the returned `kv_transfer_params` to a decode instance
-(models with a single pool are sent there directly). A failure before the first byte of the answer (connect
-error, 5xx, dropped connection) is retried on another instance of the pool; once streaming started, an error
-ends the stream with an SSE error event. In-flight counts are released in `finally` blocks that also run on
-client cancels, and endpoints are released on the object they were picked on, so churn cannot skew them.
+(models with a single pool are sent there directly). Every pick of a request (prefill, decode, retries)
+routes by its length class: the plan's class of its prompt length, estimated without tokenizing
+(`prompt_tokens`; see `registry`). A failure before the first byte of the answer (connect error, 5xx, dropped
+connection) is retried on another instance of the pool; once streaming started, an error ends the stream with
+an SSE error event. In-flight counts are released in `finally` blocks that also run on client cancels, and
+endpoints are released on the object they were picked on, so churn cannot skew them.
 
 Access: with API keys configured, `/v1/*` needs `Authorization: Bearer KEY` (keys are kept only as SHA-256
 digests); each key (or client address without keys) has a token bucket of `rate_limit_rps` answering 429 with
@@ -58,6 +60,27 @@ PREFILL_KV_PARAMS = {
 
 PREFILL_UNSUPPORTED = ("min_tokens", "min_completion_tokens", "stream_options")
 """Options a prefill-only request (max_tokens=1, not streamed) must not carry; the decode side keeps them."""
+
+CHARS_PER_TOKEN = 4.0
+"""Characters per token of text prompts: an estimate (the gateway does not tokenize) for request classes."""
+
+
+def prompt_tokens(body: dict[str, Any]) -> float:
+    """Estimated prompt tokens of a validated request: token ids are counted (the longest of several
+    prompts), text is `CHARS_PER_TOKEN` characters a token (chat: all text contents together)."""
+    if "messages" in body:
+        chars = 0
+        for m in body["messages"]:
+            c = m.get("content")
+            parts = [c] if isinstance(c, str) else [p.get("text") for p in c or [] if isinstance(p, dict)]
+            chars += sum(len(t) for t in parts if isinstance(t, str))
+        return chars / CHARS_PER_TOKEN
+    p = body["prompt"]
+    if isinstance(p, str):
+        return len(p) / CHARS_PER_TOKEN
+    if isinstance(p[0], int):
+        return float(len(p))
+    return max(len(x) if isinstance(x, list) else len(x) / CHARS_PER_TOKEN for x in p)
 
 
 def key_digest(key: str) -> str:
@@ -430,15 +453,16 @@ class Gateway:
             ep.healthy = False  # passive health: the probe loop brings it back
 
     async def open_stream(
-        self, model: str, phase: str, path: str, body: bytes, rid: str
+        self, model: str, phase: str, path: str, body: bytes, rid: str, request_class: str | None = None
     ) -> tuple[Endpoint, Http1Response, AsyncIterator[bytes]]:
-        """Send `body` (JSON bytes, request id `rid`) to an instance of the pool and read its first chunk, retrying on other instances on
-        failure before that chunk. Returns the endpoint, the response and its whole body as chunks; the
-        caller owns the response and the endpoint's in-flight slot."""
+        """Send `body` (JSON bytes, request id `rid`, length class `request_class`) to an instance of the pool
+        and read its first chunk, retrying on other instances on failure before that chunk. Returns the
+        endpoint, the response and its whole body as chunks; the caller owns the response and the endpoint's
+        in-flight slot."""
         tried: set[str] = set()
         last = "no routable instance"
         for _ in range(self.config.max_attempts):
-            ep = self.registry.pick(model, phase, frozenset(tried))
+            ep = self.registry.pick(model, phase, frozenset(tried), request_class)
             if ep is None:
                 break
             tried.add(ep.id)
@@ -469,10 +493,10 @@ class Gateway:
         raise UpstreamError(status, f"{model} {phase}: no instance answered ({last})")
 
     async def call(
-        self, model: str, phase: str, path: str, body: bytes, rid: str
+        self, model: str, phase: str, path: str, body: bytes, rid: str, request_class: str | None = None
     ) -> tuple[int, bytes, Endpoint]:
         """Non-streaming call with retries; returns (status, body bytes, endpoint)."""
-        ep, resp, chunks = await self.open_stream(model, phase, path, body, rid)
+        ep, resp, chunks = await self.open_stream(model, phase, path, body, rid, request_class)
         ok = False
         try:
             data = b"".join([c async for c in chunks])
@@ -494,7 +518,8 @@ class Gateway:
 
     def state(self) -> dict[str, Any]:
         """JSON-able view for dashboards: instances with counters, planned share (weight among the routable
-        instances of its pool) and observed share (of requests served by the pool), latency percentiles."""
+        instances of its pool), planned tokens/s per request class (`class_weights`, None: every class) and
+        observed share (of requests served by the pool), latency percentiles."""
         eps = self.registry.all()
         instances = []
         for e in eps:
@@ -510,6 +535,7 @@ class Gateway:
                     "state": str(e.state),
                     "healthy": e.healthy,
                     "weight": e.weight,
+                    "class_weights": e.class_weights,
                     "inflight": e.inflight,
                     "served": e.served,
                     "failed": e.failed,
@@ -689,6 +715,7 @@ def create_gateway_app(
             gw.requests.labels(model, "rejected").inc()
             return error_response(exc.status, str(exc), "overloaded", None, gw.config.retry_after_s)
         rid = request_id_of(request.headers.get("x-request-id"))
+        cls = registry.class_of(model, prompt_tokens(body))
         ids = {"x-request-id": rid}
         handed_off = False
         try:
@@ -699,7 +726,8 @@ def create_gateway_app(
                 if "max_completion_tokens" in pre:
                     pre["max_completion_tokens"] = 1
                 try:
-                    status, answer, _ = await gw.call(model, "prefill", path, json.dumps(pre).encode(), rid)
+                    pre_body = json.dumps(pre).encode()
+                    status, answer, _ = await gw.call(model, "prefill", path, pre_body, rid, cls)
                 except UpstreamError:  # no prefill instance answered: the decode instance prefills locally
                     gw.pd_fallbacks.labels(model).inc()
                     status, answer = 0, b""
@@ -713,12 +741,12 @@ def create_gateway_app(
                         raise UpstreamError(502, "prefill answer is not a JSON object") from None
                     upstream = json.dumps({**body, "kv_transfer_params": kv}).encode()
             if not body.get("stream"):
-                status, answer, ep = await gw.call(model, answer_phase, path, upstream, rid)
+                status, answer, ep = await gw.call(model, answer_phase, path, upstream, rid, cls)
                 gw.record(model, start, None, "ok" if status < 400 else "error")
                 return Response(
                     answer, status, media_type="application/json", headers={**ids, "x-coral-instance": ep.id}
                 )
-            ep, resp, chunks = await gw.open_stream(model, answer_phase, path, upstream, rid)
+            ep, resp, chunks = await gw.open_stream(model, answer_phase, path, upstream, rid, cls)
             first_at = time.perf_counter()
             outcome = {"ok": False, "done": False}
 

@@ -1,12 +1,16 @@
 """Instance registry of the gateway and its routing rule.
 
-Routing (per model and phase): smooth weighted round-robin (nginx's algorithm) on the instances' planned
-throughput, with a least-outstanding correction. Every pick adds each routable instance's weight to its credit
-and takes the instance with the largest credit; if that instance holds more than `max_excess` requests above
-its weighted share of the pool's in-flight requests, the pick goes instead to the instance with the lowest
-(in-flight + 1) / weight. The chosen instance pays the total weight from its credit, so an instance that was
-skipped keeps its credit and catches up once its backlog clears: long-run shares follow the weights while a
-slow or stalled instance stops receiving work.
+Routing (per model, phase and request class): smooth weighted round-robin (nginx's algorithm) on the
+instances' planned throughput, with a least-outstanding correction. A request's length class (`class_of`, from
+the plan's request classes) selects the weights: an instance's planned tokens/s for that class
+(`class_weights`; instances without them serve every class with their plain weight); instances with weight 0
+for the class are not candidates, and when no routable candidate has a positive weight for it (or the request
+has no class) the plain weights of all candidates apply. Every pick adds each candidate's weight to its credit
+for the class and takes the candidate with the largest credit; if that instance holds more than `max_excess`
+requests above its weighted share of the candidates' in-flight requests, the pick goes instead to the
+candidate with the lowest (in-flight + 1) / weight. The chosen instance pays the total weight from its credit,
+so an instance that was skipped keeps its credit and catches up once its backlog clears: each class's long-run
+shares follow its weights while a slow or stalled instance stops receiving work.
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 from enum import StrEnum
+
+from coral.allocation.plan import PlanClass, class_of
 
 
 class InstanceState(StrEnum):
@@ -37,8 +43,17 @@ class Endpoint:
     inflight: int = 0
     served: int = 0
     failed: int = 0
-    credit: float = 0.0
+    class_weights: dict[str, float] | None = None
+    """Planned tokens/s per request class (None: every class at `weight`)."""
+    credits: dict[str | None, float] = field(default_factory=dict)
+    """Smooth-WRR credit per request class (None: plain weights)."""
     health_failures: int = 0
+
+    def weight_for(self, request_class: str | None) -> float:
+        """Router weight for a request of `request_class` (None: no class)."""
+        if request_class is None or self.class_weights is None:
+            return self.weight
+        return self.class_weights.get(request_class, 0.0)
 
     @property
     def routable(self) -> bool:
@@ -51,6 +66,8 @@ class Registry:
 
     max_excess: float = 4.0
     endpoints: dict[str, Endpoint] = field(default_factory=dict)
+    classes: dict[str, list[PlanClass]] = field(default_factory=dict)
+    """Request classes per model, shortest first (set from the plan; models without them are unclassed)."""
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def add(self, ep: Endpoint) -> Endpoint:
@@ -63,6 +80,7 @@ class Registry:
                 return ep
             # re-registration updates in place: in-flight requests hold the object and release it later
             old.url, old.weight, old.state, old.healthy = ep.url, ep.weight, ep.state, ep.healthy
+            old.class_weights = ep.class_weights
             return old
 
     def remove(self, instance_id: str) -> Endpoint | None:
@@ -91,24 +109,36 @@ class Registry:
     def pool(self, model: str, phase: str) -> list[Endpoint]:
         return [e for e in self.all() if e.model == model and e.phase == phase]
 
-    def pick(self, model: str, phase: str, exclude: frozenset[str] = frozenset()) -> Endpoint | None:
-        """Choose a routable endpoint and count one request in flight on it (caller must `release`)."""
+    def class_of(self, model: str, input_tokens: float) -> str | None:
+        """The request class of a prompt of `input_tokens` for `model` (None: the model has no classes)."""
+        return class_of(self.classes.get(model, []), input_tokens)
+
+    def pick(
+        self, model: str, phase: str, exclude: frozenset[str] = frozenset(), request_class: str | None = None
+    ) -> Endpoint | None:
+        """Choose a routable endpoint for a request of `request_class` and count one request in flight on it
+        (caller must `release`)."""
         with self.lock:
-            cands = [
+            pool = [
                 e
                 for e in self.endpoints.values()
                 if e.model == model and e.phase == phase and e.routable and e.id not in exclude
             ]
+            cls = request_class
+            if not any(e.weight_for(cls) > 0 for e in pool):
+                cls = None  # nobody planned for this class: plain weights
+            w = {e.id: e.weight_for(cls) for e in pool}
+            cands = [e for e in pool if w[e.id] > 0]
             if not cands:
                 return None
-            total_w = sum(e.weight for e in cands)
+            total_w = sum(w[e.id] for e in cands)
             for e in cands:
-                e.credit += e.weight
-            best = max(cands, key=lambda e: e.credit)
+                e.credits[cls] = e.credits.get(cls, 0.0) + w[e.id]
+            best = max(cands, key=lambda e: e.credits[cls])
             total_in = sum(e.inflight for e in cands) + 1
-            if best.inflight - best.weight / total_w * total_in > self.max_excess:
-                best = min(cands, key=lambda e: ((e.inflight + 1) / e.weight, -e.credit))
-            best.credit -= total_w
+            if best.inflight - w[best.id] / total_w * total_in > self.max_excess:
+                best = min(cands, key=lambda e: ((e.inflight + 1) / w[e.id], -e.credits[cls]))
+            best.credits[cls] -= total_w
             best.inflight += 1
             return best
 

@@ -1,5 +1,10 @@
 """The event loop: PD-disaggregated serving of a plan, request by request.
 
+Routing: a model planned with request-length classes (`Plan.request_classes`) routes each request by the class of
+its prompt length, with each instance's planned tokens/s for that class as its weight (instances planned for
+none of the class's load only get it when no instance is), and sizes each instance's batch cap for the mix of
+classes it is planned for (a kept instance keeps its cap across re-plans, as a running engine would).
+
 Prefill: the router picks a prefill instance, the instance one node per stage (smooth weighted round-robin on
 node throughput). Each stage node runs continuous batching with chunked prefill: a step takes queued prompt
 tokens, FCFS, up to the template's planned batch, and lasts the perf model's step time for that many tokens;
@@ -32,7 +37,8 @@ from typing import Any, Generic, TypeVar
 
 import numpy as np
 
-from coral.allocation.plan import Plan, PlanInstance, SolveReport
+from coral.allocation.plan import Plan, PlanClass, PlanInstance, SolveReport
+from coral.perf.model import Workload
 from coral.simulation.kernels import KernelCache, NodeKernel, decode_step
 
 STARTING, READY, DRAINING, STOPPED = 0, 1, 2, 3
@@ -140,7 +146,8 @@ class Instance:
     __slots__ = ("cost", "drain_s", "key", "layers", "model", "outstanding", "paths", "phase", "pickers",
                  "ready_s", "retiring", "spec", "stages", "start_s", "state", "stop_s", "waiting", "weight")
 
-    def __init__(self, spec: PlanInstance, kernels: KernelCache, start_s: float, ready_s: float) -> None:
+    def __init__(self, spec: PlanInstance, kernels: KernelCache, start_s: float, ready_s: float,
+                 workload: Workload | None = None) -> None:
         self.spec = spec
         self.key = (spec.model, spec.phase)
         self.model, self.phase = spec.model, spec.phase
@@ -156,7 +163,8 @@ class Instance:
         s = len(spec.stages)
         node_cls = PNode if spec.phase == "prefill" else DNode
         self.stages: list[list[Any]] = [
-            [node_cls(kernels.kernel(spec.model, spec.phase, c, st.layers, s), self, j, s) for c in st.nodes]
+            [node_cls(kernels.kernel(spec.model, spec.phase, c, st.layers, s, workload), self, j, s)
+             for c in st.nodes]
             for j, st in enumerate(spec.stages)
         ]
         self.layers = [st.layers for st in spec.stages]
@@ -228,6 +236,35 @@ class Trace:
     end_s: float = 0.0
 
 
+def class_mix(spec: PlanInstance, classes: list[PlanClass]) -> Workload | None:
+    """The mean request shape of the classes an instance is planned for, weighted by its planned requests/s of
+    each (None: it serves the model's whole mix)."""
+    if not spec.class_throughput or not classes:
+        return None
+    per_req = {c.name: c.mean_input_tokens if spec.phase == "prefill" else c.mean_output_tokens for c in classes}
+    rate = {c.name: spec.class_throughput.get(c.name, 0.0) / per_req[c.name] for c in classes}
+    total = sum(rate.values())
+    if total <= 0:
+        return None
+    return Workload(sum(rate[c.name] * c.mean_input_tokens for c in classes) / total,
+                    sum(rate[c.name] * c.mean_output_tokens for c in classes) / total)
+
+
+def request_classes(classes: dict[str, list[PlanClass]], models: list[str], model_of: np.ndarray,
+                    input_tokens: np.ndarray) -> list[str | None]:
+    """Each request's class name (`class_of`, vectorised; None for models planned without classes)."""
+    out: list[str | None] = [None] * len(model_of)
+    for m, cls in classes.items():
+        if m not in models or not cls:
+            continue
+        sel = np.flatnonzero(model_of == models.index(m))
+        limits = [np.inf if c.max_input_tokens is None else c.max_input_tokens for c in cls]
+        idx = np.minimum(np.searchsorted(np.maximum.accumulate(limits), input_tokens[sel], side="left"), len(cls) - 1)
+        for r, i in zip(sel.tolist(), idx.tolist(), strict=True):
+            out[r] = cls[i].name
+    return out
+
+
 class Engine:
     """One simulation run. Requests arrive sorted by time; `model_of[r]` indexes `models`."""
 
@@ -260,6 +297,8 @@ class Engine:
         self.n = n
         self.arr = arrival.tolist()
         self.mod = model_of.tolist()
+        self.model_of = model_of
+        self.inp_array = input_tokens
         self.inp = input_tokens.tolist()
         self.out = output_tokens.tolist()
         kv_in = np.zeros(n)
@@ -285,7 +324,10 @@ class Engine:
         self.d_path: list[Path | None] = [None] * n  # its nodes, chosen at admission
         self.heap: list[tuple[float, int, int, Any]] = []
         self.seq = 0
-        self.routers: dict[tuple[str, str], tuple[list[Instance], Stride | None]] = {}
+        self.routers: dict[tuple[str, str], list[Instance]] = {}
+        self.strides: dict[tuple[str, str, str | None], Stride[Instance]] = {}  # per class, built when first used
+        self.classes: dict[str, list[PlanClass]] = {}
+        self.req_class: list[str | None] = [None] * n
         self.backlog: dict[tuple[str, str], list[int]] = {}
         self.trace = Trace()
 
@@ -316,7 +358,7 @@ class Engine:
             retire += old[len(specs):]
             for spec in specs[len(old):]:
                 ready = t if initial else t + self.startup
-                inst = Instance(spec, self.kernels, t, ready)
+                inst = Instance(spec, self.kernels, t, ready, class_mix(spec, plan.request_classes.get(spec.model, [])))
                 self.trace.instances.append(inst)
                 if ready <= t:
                     inst.state = READY
@@ -325,6 +367,9 @@ class Engine:
                     new_ready[inst.key] = ready
         for rest in have.values():
             retire += rest
+        if plan.request_classes != self.classes:
+            self.classes = plan.request_classes
+            self.req_class = request_classes(self.classes, self.models, self.model_of, self.inp_array)
         for inst in retire:
             when = new_ready.get(inst.key) if self.handover and inst.state == READY else None
             if when is None:
@@ -362,9 +407,8 @@ class Engine:
         for inst in self.trace.instances:
             if inst.state == READY:
                 members.setdefault(inst.key, []).append(inst)
-        self.routers = {
-            k: (v, Stride(v, [i.weight for i in v]) if self.router == "wrr" else None) for k, v in members.items()
-        }
+        self.routers = members
+        self.strides = {}
         for key in list(self.backlog):
             if key in self.routers:
                 waiting = self.backlog.pop(key)
@@ -374,16 +418,23 @@ class Engine:
                     else:
                         self.route_decode(r, t)
 
-    def pick(self, key: tuple[str, str]) -> Instance | None:
-        entry = self.routers.get(key)
-        if entry is None:
+    def pick(self, key: tuple[str, str], r: int) -> Instance | None:
+        members = self.routers.get(key)
+        if members is None:
             return None
-        members, stride = entry
-        if stride is not None:
+        cls = self.req_class[r]
+        weights = [i.spec.weight_for(cls) for i in members]
+        if not any(w > 0 for w in weights):
+            weights = [i.weight for i in members]
+        if self.router == "wrr":
+            skey = (key[0], key[1], cls)
+            stride = self.strides.get(skey)
+            if stride is None:
+                stride = self.strides[skey] = Stride(members, weights)
             return stride.pick()
         best, score = members[0], float("inf")
-        for inst in members:
-            s = (inst.outstanding + 1) / inst.weight
+        for inst, w in zip(members, weights, strict=True):
+            s = (inst.outstanding + 1) / w if w > 0 else float("inf")
             if s < score:
                 best, score = inst, s
         return best
@@ -396,7 +447,7 @@ class Engine:
     # --- prefill ----------------------------------------------------------------------------------------
     def route_prefill(self, r: int, t: float) -> None:
         key = (self.models[self.mod[r]], "prefill")
-        inst = self.pick(key)
+        inst = self.pick(key, r)
         if inst is None:
             self.backlog.setdefault(key, []).append(r)
             return
@@ -470,7 +521,7 @@ class Engine:
     # --- decode -----------------------------------------------------------------------------------------
     def route_decode(self, r: int, t: float) -> None:
         key = (self.models[self.mod[r]], "decode")
-        inst = self.pick(key)
+        inst = self.pick(key, r)
         if inst is None:
             self.backlog.setdefault(key, []).append(r)
             return

@@ -65,7 +65,7 @@ class KernelCache:
 
     def __init__(self, scenario: Scenario, catalog: Catalog, perf: RooflineModel) -> None:
         self.scenario, self.catalog, self.perf = scenario, catalog, perf
-        self._cache: dict[tuple[str, str, str, int, int], NodeKernel] = {}
+        self._cache: dict[tuple[str, str, str, int, int, Workload], NodeKernel] = {}
         self.models: dict[str, ModelConstants] = {}
         for m in scenario.models:
             arch = catalog.model(m.model)
@@ -81,19 +81,23 @@ class KernelCache:
         shape = self.perf.shape(self.catalog.model(model))
         return np.asarray(shape.attended_tokens(np.asarray(tokens, dtype=float)), dtype=float)
 
-    def kernel(self, model: str, phase: str, config: str, layers: int, n_stages: int) -> NodeKernel:
-        key = (model, phase, config, layers, n_stages)
+    def kernel(self, model: str, phase: str, config: str, layers: int, n_stages: int,
+               workload: Workload | None = None) -> NodeKernel:
+        """The kernel of one stage node; its batch cap is sized for `workload` (default: the model's means; an
+        instance planned for some request classes only: their mix)."""
+        key = (model, phase, config, layers, n_stages, workload or self.models[model].workload)
         k = self._cache.get(key)
         if k is None:
             k = self._cache[key] = self._build(*key)
         return k
 
-    def _build(self, model: str, phase_name: str, config: str, layers: int, n_stages: int) -> NodeKernel:
+    def _build(self, model: str, phase_name: str, config: str, layers: int, n_stages: int,
+               w: Workload) -> NodeKernel:
         consts = self.models[model]
         arch = self.catalog.model(model)
         node = self.catalog.node_config(config)
         phase = Phase(phase_name)
-        perf, w = self.perf, consts.workload
+        perf = self.perf
         slo = consts.ttft_slo_s if phase is Phase.PREFILL else consts.tpot_slo_s
         _, batch = perf.throughput_table(arch, phase, node, slo, n_stages, w)
         planned = float(batch[min(layers, len(batch) - 1)])
