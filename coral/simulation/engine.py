@@ -250,6 +250,13 @@ def class_mix(spec: PlanInstance, classes: list[PlanClass]) -> Workload | None:
                     sum(rate[c.name] * c.mean_output_tokens for c in classes) / total)
 
 
+def class_weights(members: list[Instance], request_class: str | None) -> list[float]:
+    """Router weights of `members` for a request of `request_class`: their planned tokens/s of the class, or
+    their throughput when none is planned for it."""
+    weights = [i.spec.weight_for(request_class) for i in members]
+    return weights if any(w > 0 for w in weights) else [i.weight for i in members]
+
+
 def request_classes(classes: dict[str, list[PlanClass]], models: list[str], model_of: np.ndarray,
                     input_tokens: np.ndarray) -> list[str | None]:
     """Each request's class name (`class_of`, vectorised; None for models planned without classes)."""
@@ -423,17 +430,14 @@ class Engine:
         if members is None:
             return None
         cls = self.req_class[r]
-        weights = [i.spec.weight_for(cls) for i in members]
-        if not any(w > 0 for w in weights):
-            weights = [i.weight for i in members]
         if self.router == "wrr":
             skey = (key[0], key[1], cls)
             stride = self.strides.get(skey)
             if stride is None:
-                stride = self.strides[skey] = Stride(members, weights)
+                stride = self.strides[skey] = Stride(members, class_weights(members, cls))
             return stride.pick()
         best, score = members[0], float("inf")
-        for inst, w in zip(members, weights, strict=True):
+        for inst, w in zip(members, class_weights(members, cls), strict=True):
             s = (inst.outstanding + 1) / w if w > 0 else float("inf")
             if s < score:
                 best, score = inst, s
