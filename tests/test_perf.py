@@ -7,35 +7,50 @@ import pytest
 
 from coral.catalog.loader import builtin_catalog
 from coral.perf import Phase, RooflineModel, Workload
+from coral.perf.roofline import bound_time
 
 CAT = builtin_catalog()
 PM = RooflineModel()
 W = Workload(input_tokens=1024, output_tokens=128)
 
 
+def test_bound_time_golden() -> None:
+    """Compute 3 and memory 4: the roofline max is 4, the 2-norm blend 5, a large exponent tends to the max."""
+    assert float(bound_time(3.0, 4.0, None)) == 4.0
+    assert float(bound_time(3.0, 4.0, 2.0)) == pytest.approx(5.0)
+    assert float(bound_time(3.0, 4.0, 64.0)) == pytest.approx(4.0, rel=1e-6)
+    assert float(bound_time(0.0, 0.0, 2.0)) == 0.0
+
+
 def test_prefill_step_matches_hand_roofline() -> None:
-    """Large prefill on one H100 is compute bound: t = 2 * active params * tokens / (TF * eff) + overhead."""
+    """Large prefill on one H100: per layer the 2-norm (the shipped blend) of compute, 2 * active params * tokens
+    (+ attention) / (TF * eff), and memory traffic, weights + the batch's KV / (bandwidth * eff); plus overhead."""
     m, node = CAT.model("llama-3-8b"), CAT.node_config("1xH100")
     sh = PM.shape(m)
     tokens = 8192
     t = float(PM.step_time(m, Phase.PREFILL, node, m.num_hidden_layers, tokens, W))
     heads_dim = m.num_attention_heads * sh.head_dim
-    flops = m.num_hidden_layers * (2 * sh.active_params * tokens + 4 * tokens * (W.input_tokens / 2) * heads_dim)
     p = PM.params.for_gpu("H100")
-    expected = flops / (989e12 * p.compute_efficiency) + p.step_overhead_ms / 1e3
+    assert p.compute_memory_blend == 2.0
+    flops = 2 * sh.active_params * tokens + 4 * tokens * (W.input_tokens / 2) * heads_dim
+    compute = flops / (989e12 * p.compute_efficiency)
+    memory = ((sh.attn_params + sh.dense_mlp_params) * 2 + tokens * sh.kv_bytes_per_token) / (
+        node.gpu.mem_bw_gbs * 1e9 * p.memory_efficiency)
+    expected = m.num_hidden_layers * (compute**2 + memory**2) ** 0.5 + p.step_overhead_ms / 1e3
     assert t == pytest.approx(expected, rel=1e-9)
 
 
 def test_small_decode_is_bandwidth_bound() -> None:
-    """Batch-1 decode streams the weights at the GPU's memory efficiency and reads the KV cache at its (lower)
-    attention efficiency."""
+    """Batch-1 decode streams the weights at the GPU's memory efficiency (blended with its tiny GEMM compute) and
+    reads the KV cache at its (lower) attention efficiency."""
     m, node = CAT.model("llama-3-8b"), CAT.node_config("1xL4")
     sh = PM.shape(m)
     t = float(PM.step_time(m, Phase.DECODE, node, 10, 1, W))
     weight = (sh.attn_params + sh.dense_mlp_params) * 2
     kv = W.decode_context * sh.kv_bytes_per_token
     p = PM.params.for_gpu("L4")
-    per_layer = weight / (300e9 * p.memory_efficiency) + kv / (300e9 * p.attention_efficiency)
+    gemm = 2 * sh.active_params / (node.gpu.tflops * 1e12 * p.compute_efficiency)
+    per_layer = (gemm**2 + (weight / (300e9 * p.memory_efficiency)) ** 2) ** 0.5 + kv / (300e9 * p.attention_efficiency)
     assert t == pytest.approx(10 * per_layer + p.step_overhead_ms / 1e3, rel=1e-9)
 
 

@@ -2,7 +2,7 @@
 
 Per-layer time: prefill = max(compute, memory traffic); decode = max(GEMM compute, weight streaming) + KV-cache
 read by attention (its own bandwidth efficiency: the batch-dependent term); both plus the tensor-parallel
-all-reduce. Step time = layers x per-layer time + pipeline send + fixed overhead. Efficiencies are per GPU type
+all-reduce. With `compute_memory_blend` q the max is replaced by the q-norm (see `bound_time`). Step time = layers x per-layer time + pipeline send + fixed overhead. Efficiencies are per GPU type
 (`gpu_overrides`, fitted from measured profiles by `coral perf calibrate`; `gpu_fallbacks` borrow another GPU's).
 Memory: weights of the held layers plus the KV cache must fit in `gpu_memory_utilization` of the GPUs.
 """
@@ -54,6 +54,9 @@ class PerfParams(_Strict):
     max_decode_batch: int = Field(gt=0)
     gpu_overrides: dict[str, EfficiencyOverride] = Field(default_factory=dict)
     gpu_fallbacks: dict[str, str] = Field(default_factory=dict)
+    compute_memory_blend: float | None = Field(
+        default=None, ge=1, description="None: a layer takes max(compute, memory) (the roofline); q: "
+        "(compute^q + memory^q)^(1/q), slower than the max near the ridge point, where the two do not fully overlap")
 
     @model_validator(mode="after")
     def _fallbacks_resolve(self) -> PerfParams:
@@ -76,6 +79,17 @@ class PerfParams(_Strict):
     @classmethod
     def load(cls, path: str | Path | None = None) -> PerfParams:
         return load_file(cls, path or data_path("perf_defaults.yaml"))
+
+
+def bound_time(compute: np.ndarray | float, memory: np.ndarray | float, blend: float | None) -> np.ndarray:
+    """Time of work bounded by compute and memory traffic: max(compute, memory) without `blend`, else their
+    `blend`-norm (compute^q + memory^q)^(1/q), which tends to the max as q grows."""
+    c, m = np.asarray(compute, dtype=float), np.asarray(memory, dtype=float)
+    top = np.maximum(c, m)
+    if blend is None:
+        return top
+    safe = np.where(top > 0, top, 1.0)
+    return np.where(top > 0, top * ((c / safe) ** blend + (m / safe) ** blend) ** (1.0 / blend), 0.0)
 
 
 @dataclass(frozen=True)
@@ -233,10 +247,11 @@ class RooflineModel:
             attn_ctx = sh.attended_tokens(workload.input_tokens / 2.0)
             compute = (gemm_flops + 4.0 * tokens * attn_ctx * heads_dim) / peak_flops
             memory = (weight_bytes + tokens * sh.kv_bytes_per_token) / (bandwidth * p.memory_efficiency)
-            core = np.maximum(compute, memory)
+            core = bound_time(compute, memory, p.compute_memory_blend)
         else:
             kv_read = tokens * sh.attended_tokens(workload.decode_context) * sh.kv_bytes_per_token
-            dense = np.maximum(gemm_flops / peak_flops, weight_bytes / (bandwidth * p.memory_efficiency))
+            dense = bound_time(gemm_flops / peak_flops, weight_bytes / (bandwidth * p.memory_efficiency),
+                               p.compute_memory_blend)
             core = dense + kv_read / (bandwidth * p.attention_efficiency)
         comm = 2.0 * self._allreduce_s(node, tokens * model.hidden_size * 2.0, p)
         return np.asarray(core + comm)
