@@ -16,19 +16,15 @@ import argparse
 import json
 from pathlib import Path
 
+from allocator import with_classes  # benchmarks/allocator.py (this script's folder is on sys.path)
 from rich.console import Console
 from rich.table import Table
 
 from coral.allocation.allocator import allocate
 from coral.allocation.plan import Plan
 from coral.catalog.loader import load_scenario
-from coral.catalog.schema import Scenario
 from coral.experiments.allocation import load_library
 from coral.simulation import simulate
-
-
-def with_classes(sc: Scenario, classes: str) -> Scenario:
-    return sc.model_copy(update={"models": [m.model_copy(update={"request_classes": classes}) for m in sc.models]})
 
 
 def pooled(plan: Plan) -> Plan:

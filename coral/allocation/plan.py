@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from coral.catalog.loader import load_file
@@ -82,9 +83,7 @@ class PlanInstance(_PlanModel):
 
     def weight_for(self, request_class: str | None) -> float:
         """Router weight of this instance for a request of `request_class` (None: no class)."""
-        if request_class is None or self.class_throughput is None:
-            return self.throughput
-        return self.class_throughput.get(request_class, 0.0)
+        return class_weight(self.throughput, self.class_throughput, request_class)
 
     @property
     def n_nodes(self) -> int:
@@ -117,12 +116,23 @@ class SolveReport(_PlanModel):
     notes: list[str] = Field(default_factory=list)
 
 
+def class_weight(weight: float, per_class: dict[str, float] | None, request_class: str | None) -> float:
+    """Router weight for a request of `request_class`: the planned tokens/s of that class, or `weight` when the
+    request has no class or the endpoint serves every class (`per_class` None)."""
+    if request_class is None or per_class is None:
+        return weight
+    return per_class.get(request_class, 0.0)
+
+
+def class_indices(classes: Sequence[PlanClass], input_tokens: np.ndarray) -> np.ndarray:
+    """Index of each prompt's class: the first whose limit the prompt does not exceed (the last takes the rest)."""
+    limits = np.maximum.accumulate([np.inf if c.max_input_tokens is None else c.max_input_tokens for c in classes])
+    return np.minimum(np.searchsorted(limits, input_tokens, side="left"), len(classes) - 1)
+
+
 def class_of(classes: Sequence[PlanClass], input_tokens: float) -> str | None:
-    """The first class whose prompt limit `input_tokens` does not exceed (the last class takes the rest)."""
-    for c in classes:
-        if c.max_input_tokens is None or input_tokens <= c.max_input_tokens:
-            return c.name
-    return classes[-1].name if classes else None
+    """The class name of one prompt (`class_indices`); None without classes."""
+    return classes[int(class_indices(classes, np.array([input_tokens]))[0])].name if classes else None
 
 
 class Plan(_PlanModel):

@@ -27,6 +27,7 @@ as the incumbent, and dropping it keeps the optimum. y comes from the LP relaxat
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -241,8 +242,6 @@ def solve(
     """Solve `p` to `gap` within `time_limit` (best incumbent on timeout). `start` is a feasible warm start.
     With `reduce`, independent blocks (no shared row, e.g. models that share no scarce config) are solved
     separately, each with the reductions of `solve_block`."""
-    import time
-
     if not reduce:
         return solve_block(p, time_limit=time_limit, gap=gap, start=start, reduce=False)
     t0 = time.perf_counter()
@@ -302,8 +301,6 @@ def separate_optima(p: Problem, *, time_limit: float, gap: float, start: np.ndar
     parts = [np.flatnonzero(label == v) for v in np.unique(label)]
     if len(parts) < 2:
         return None
-    import time
-
     n_initial = len(parts)
     t0 = time.perf_counter()
     x = np.zeros(p.n)
@@ -371,8 +368,6 @@ def solve_block(
     """Solve one block: the separate optima of its parts (the answer when they fit together, a bound otherwise),
     LP by column generation, incumbent on a restricted set, reduced-cost fixing, MIP. The MIPs stop at relative
     gap `gap` or absolute gap `abs_gap` (when given), whichever comes first."""
-    import time
-
     t0 = time.perf_counter()
     notes: list[str] = []
     separate_bound = -np.inf

@@ -19,7 +19,7 @@ import threading
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from coral.allocation.plan import PlanClass, class_of
+from coral.allocation.plan import PlanClass, class_of, class_weight
 
 
 class InstanceState(StrEnum):
@@ -51,9 +51,7 @@ class Endpoint:
 
     def weight_for(self, request_class: str | None) -> float:
         """Router weight for a request of `request_class` (None: no class)."""
-        if request_class is None or self.class_weights is None:
-            return self.weight
-        return self.class_weights.get(request_class, 0.0)
+        return class_weight(self.weight, self.class_weights, request_class)
 
     @property
     def routable(self) -> bool:

@@ -37,7 +37,7 @@ from typing import Any, Generic, TypeVar
 
 import numpy as np
 
-from coral.allocation.plan import Plan, PlanClass, PlanInstance, SolveReport
+from coral.allocation.plan import Plan, PlanClass, PlanInstance, SolveReport, class_indices
 from coral.perf.model import Workload
 from coral.simulation.kernels import KernelCache, NodeKernel, decode_step
 
@@ -259,14 +259,13 @@ def class_weights(members: list[Instance], request_class: str | None) -> list[fl
 
 def request_classes(classes: dict[str, list[PlanClass]], models: list[str], model_of: np.ndarray,
                     input_tokens: np.ndarray) -> list[str | None]:
-    """Each request's class name (`class_of`, vectorised; None for models planned without classes)."""
+    """Each request's class name (`class_indices`; None for models planned without classes)."""
     out: list[str | None] = [None] * len(model_of)
     for m, cls in classes.items():
         if m not in models or not cls:
             continue
         sel = np.flatnonzero(model_of == models.index(m))
-        limits = [np.inf if c.max_input_tokens is None else c.max_input_tokens for c in cls]
-        idx = np.minimum(np.searchsorted(np.maximum.accumulate(limits), input_tokens[sel], side="left"), len(cls) - 1)
+        idx = class_indices(cls, input_tokens[sel])
         for r, i in zip(sel.tolist(), idx.tolist(), strict=True):
             out[r] = cls[i].name
     return out
