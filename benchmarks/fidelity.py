@@ -49,8 +49,8 @@ from coral.perf.measured import PROFILE_FILES, MeasuredModel
 from coral.perf.model import Phase
 from coral.runtime.handmade import make_instance, make_plan
 from coral.simulation import RequestSet, simulate
-from coral.simulation.traces import load_azure, rescale, shipped_path
 from coral.templates.build import build_library
+from coral.workload.traces import load_azure, rescale, shipped_path
 
 MODEL, CONFIG, REGION = "tiny-llama", "1xCPU", "aws-us-east-2"
 FIRST_ID = 8  # token ids below are the tokenizer's special tokens

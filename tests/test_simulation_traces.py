@@ -9,7 +9,7 @@ import pytest
 
 from coral.catalog.loader import CoralInputError, data_path, load_scenario
 from coral.simulation import load_availability, load_azure, load_burstgpt, rescale, synthetic, workload_for
-from coral.simulation.traces import (
+from coral.workload.traces import (
     SHIPPED_TRACES,
     generate_burstgpt_sample,
     load_trace,

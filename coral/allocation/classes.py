@@ -37,6 +37,7 @@ from coral.perf.model import Phase, Workload
 from coral.perf.roofline import PerfParams, RooflineModel
 from coral.templates.build import bottleneck
 from coral.templates.library import TemplateLibrary
+from coral.workload.traces import SHIPPED_TRACES, load_trace, shipped_path
 
 EXACT_CHECK_PAIRS = 2_000_000  # (dropped × usable) templates up to which dropping is checked exactly
 SPREAD_THRESHOLD = 4.0  # p90 / p10 of prompt lengths at or above which `auto` plans with classes
@@ -82,8 +83,6 @@ def quantile_classes(input_tokens: np.ndarray, output_tokens: np.ndarray, n: int
 
 def _trace_lengths(trace: str) -> tuple[np.ndarray, np.ndarray] | None:
     """Prompt and output lengths of a shipped trace; None for `synthetic`."""
-    from coral.simulation.traces import SHIPPED_TRACES, load_trace, shipped_path  # data readers only
-
     if trace not in SHIPPED_TRACES:
         return None
     req = load_trace(shipped_path(trace))

@@ -38,7 +38,7 @@ def run_cmd(
     from coral.report.view import plan_fingerprint
     from coral.simulation.replan import allocator_replanner
     from coral.simulation.run import simulate
-    from coral.simulation.traces import workload_for
+    from coral.workload.traces import workload_for
 
     sc = load_scenario(scenario)
     folder = out / f"run-{sc.name}"

@@ -18,7 +18,7 @@ from coral.simulation.metrics import SimResult
 from coral.simulation.replan import allocator_replanner
 from coral.simulation.run import simulate
 from coral.simulation.stand_in import greedy_plan
-from coral.simulation.traces import SHIPPED_TRACES, shipped_path, workload_for
+from coral.workload.traces import SHIPPED_TRACES, shipped_path, workload_for
 
 
 def register(app: typer.Typer) -> None:

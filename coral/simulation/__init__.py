@@ -5,7 +5,7 @@ from coral.simulation.availability import AvailabilitySchedule, load_availabilit
 from coral.simulation.engine import ModelDemand, ObservedDemand, Replanner
 from coral.simulation.metrics import SimResult
 from coral.simulation.run import simulate
-from coral.simulation.traces import RequestSet, load_azure, load_burstgpt, rescale, synthetic, workload_for
+from coral.workload.traces import RequestSet, load_azure, load_burstgpt, rescale, synthetic, workload_for
 
 __all__ = [
     "AvailabilitySchedule",

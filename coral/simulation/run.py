@@ -15,7 +15,7 @@ from coral.simulation.availability import AvailabilitySchedule
 from coral.simulation.engine import Engine, ModelDemand, ObservedDemand, Replanner
 from coral.simulation.kernels import KernelCache
 from coral.simulation.metrics import SimResult, collect
-from coral.simulation.traces import RequestSet, workload_for
+from coral.workload.traces import RequestSet, workload_for
 
 
 def scenario_forecast(scenario: Scenario) -> dict[str, ModelDemand]:

@@ -305,7 +305,7 @@ def write_burstgpt(
 
 def generate_burstgpt_sample(folder: str | Path, seed: int = 2028, n: int = 2000) -> Path:
     """Write the shipped BurstGPT sample: a seeded synthetic stand-in in BurstGPT's format with the workload means
-    the scenarios assume (see coral/data/traces/README.md). Run `python -m coral.simulation.traces` to regenerate
+    the scenarios assume (see coral/data/traces/README.md). Run `python -m coral.workload.traces` to regenerate
     it byte for byte."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
