@@ -3,6 +3,19 @@ strengthening (rounding cuts) and the separate optima of the demand keys, with a
 on core; solve time and gap vs library size, with and without the reductions.
 
     python benchmarks/allocator.py [--scenario extended] [--factor 1.75] [--scales 1 4 16] [--time-limit 60]
+    python benchmarks/allocator.py --replan [--scenario extended]      # end-to-end re-plan times only
+    python benchmarks/allocator.py --scale [--time-limit 10]            # models x regions growth only
+
+Re-plan (`--replan`): what a planning call costs end to end, on a built library: "cold" = load the library file,
+the availability estimate (the headroom rule's unlimited solve) and the plan, in a fresh library object;
+"re-plan" = the plan alone, as every later epoch of a run pays it (the estimate and the library's dominance and
+row groups are memoised per library object). Default availability in cost mode, scarce (`--scarce-factor`,
+default 0.5) in goodput mode.
+
+Scale (`--scale`): the scenario grown by copies of its models (request rates × U(0.5, 1.5), seeded) and of its
+regions (prices × U(0.8, 1.2)): 6×3, 12×3, 24×3, 48×3 and 6×12 models × regions on extended; cost mode at
+availability 1.75× and goodput mode at 0.5× of the headroom estimate (timed separately, it is computed once per
+run), `allocate` with `--time-limit` for the whole call (default 10 s) and gap 1e-4.
 
 Settings: "default" = the scenario's availability (headroom rule, resolved once, outside the timing), "scarce" =
 the headroom rule at `--factor`. Variants: "neither" disables the rounding cuts (core.CUTS_PER_KEY =
@@ -32,13 +45,13 @@ from rich.table import Table
 
 from coral.allocation import baselines, core, solver
 from coral.allocation.allocator import allocate
-from coral.allocation.availability import resolve_availability
+from coral.allocation.availability import estimated_nodes, headroom_availability, resolve_availability
 from coral.allocation.plan import Plan
 from coral.allocation.reference import plain_cost
-from coral.catalog.loader import load_scenario
+from coral.catalog.loader import Catalog, builtin_catalog, load_scenario
 from coral.catalog.schema import Scenario
-from coral.experiments.allocation import load_library
 from coral.templates.library import TemplateLibrary
+from coral.templates.store import load_library
 
 
 def scaled_library(lib: TemplateLibrary, k: int, seed: int = 0) -> TemplateLibrary:
@@ -50,6 +63,82 @@ def scaled_library(lib: TemplateLibrary, k: int, seed: int = 0) -> TemplateLibra
     jitter[: len(lib)] = 1.0
     big.throughput = big.throughput * jitter
     return big
+
+
+def grown(sc: Scenario, lib: TemplateLibrary, catalog: Catalog, models_x: int, regions_x: int,
+          seed: int = 0) -> tuple[Scenario, TemplateLibrary, Catalog]:
+    """The scenario, library and catalog with `models_x` copies of every model (rates varied) and `regions_x`
+    copies of every region (prices varied); copy 0 is the original."""
+    rng = np.random.default_rng(seed)
+    models, archs, names = list(sc.models), [], lib.model.copy()
+    rows = np.arange(len(lib))
+    for i in range(1, models_x):
+        for sm in sc.models:
+            name = f"{sm.model}.c{i}"
+            models.append(sm.model_copy(update={"model": name, "request_rate": sm.request_rate * rng.uniform(0.5, 1.5)}))
+            archs.append(catalog.model(sm.model).model_copy(update={"name": name}))
+        names = np.concatenate([names, np.array([f"{m}.c{i}" for m in lib.model.tolist()], dtype=object)])
+    big = lib.subset(np.tile(rows, models_x))  # copies of whole keys: every dominator is copied with its rows
+    big.model = names
+    regions, offerings = list(sc.regions), list(catalog.offerings)
+    for i in range(1, regions_x):
+        for r in sc.regions:
+            regions.append(f"{r}.c{i}")
+            offerings += [o.model_copy(update={"region": f"{r}.c{i}", "price_per_hour": o.price_per_hour * rng.uniform(0.8, 1.2)})
+                          for o in catalog.offerings if o.region == r]
+    return (sc.model_copy(update={"models": models, "regions": regions}), big,
+            catalog.with_models(archs).with_offerings(offerings))
+
+
+def timed_plan(lib: TemplateLibrary, sc: Scenario, avail: dict[str, dict[str, int]], mode: str, catalog: Catalog,
+               time_limit: float, gap: float) -> dict[str, object]:
+    t0 = time.perf_counter()
+    plan = allocate(lib, sc, availability=avail, mode=mode, catalog=catalog, time_limit=time_limit,  # type: ignore[arg-type]
+                    gap=gap)
+    wall = time.perf_counter() - t0
+    demand = sum(s.demand for s in plan.serving)
+    return {"mode": mode, "wall_s": wall, "solver_s": plan.solve.time_s, "status": plan.solve.status,
+            "gap": plan.solve.gap, "cost": plan.cost_per_hour,
+            "served": sum(min(s.capacity, s.demand) for s in plan.serving) / demand if demand else 1.0,
+            "least_served": min((s.served_fraction for s in plan.serving), default=1.0)}
+
+
+def scale_rows(sc: Scenario, lib: TemplateLibrary, time_limit: float, console: Console) -> list[dict[str, object]]:
+    """Cost at 1.75× and goodput at 0.5× on the grown scenarios (module doc)."""
+    rows: list[dict[str, object]] = []
+    for mx, rx in ((1, 1), (2, 1), (4, 1), (8, 1), (1, 4)):
+        gsc, glib, cat = grown(sc, lib, builtin_catalog(), mx, rx)
+        t0 = time.perf_counter()
+        est = estimated_nodes(gsc, glib, cat)
+        est_s = time.perf_counter() - t0
+        for mode, factor in (("cost", 1.75), ("goodput", 0.5)):
+            avail = headroom_availability(gsc, est, factor, cat)
+            rows.append({"models x regions": f"{len(gsc.models)} x {len(gsc.regions)}", "templates": len(glib),
+                         "estimate_s": est_s, "factor": factor, **timed_plan(glib, gsc, avail, mode, cat, time_limit,
+                                                                              1e-4)})
+            console.print(rows[-1])
+    return rows
+
+
+def replan_rows(scenario: str, library_dir: Path, scarce: float, time_limit: float,
+                console: Console) -> list[dict[str, object]]:
+    """Cold (load + estimate + plan) and re-plan (plan alone) times, default and scarce (module doc)."""
+    sc, cat = load_scenario(scenario), builtin_catalog()
+    rows: list[dict[str, object]] = []
+    for setting, mode, factor in (("default", "cost", None), (f"scarce x{scarce:g}", "goodput", scarce)):
+        t0 = time.perf_counter()
+        lib = TemplateLibrary.load(library_dir / f"{scenario}.templates.sqlite")
+        t_load = time.perf_counter()
+        avail = resolve_availability(sc, lib, cat, factor=factor)
+        t_avail = time.perf_counter()
+        first = timed_plan(lib, sc, avail, mode, cat, time_limit, 1e-4)
+        again = timed_plan(lib, sc, resolve_availability(sc, lib, cat, factor=factor), mode, cat, time_limit, 1e-4)
+        rows.append({"setting": setting, "mode": mode, "load_s": t_load - t0, "availability_s": t_avail - t_load,
+                     "cold_s": time.perf_counter() - t0 - float(again["wall_s"]),  # type: ignore[arg-type]
+                     "replan_s": again["wall_s"], "replan_solver_s": again["solver_s"], "status": again["status"],
+                     "gap": again["gap"], "served": again["served"], "first_plan_s": first["wall_s"]})
+        console.print(rows[-1])
+    return rows
 
 
 def with_classes(sc: Scenario, classes: str) -> Scenario:
@@ -131,8 +220,26 @@ def main() -> None:
     ap.add_argument("--classes", nargs="+", choices=["off", "auto"], default=["off", "auto"])
     ap.add_argument("--library-dir", type=Path, default=Path("out"))
     ap.add_argument("--out", type=Path, default=Path("out/benchmarks"))
+    ap.add_argument("--replan", action="store_true", help="only the end-to-end re-plan times")
+    ap.add_argument("--scale", action="store_true", help="only the models x regions growth")
+    ap.add_argument("--scarce-factor", type=float, default=0.5)
     args = ap.parse_args()
     console = Console()
+    if args.replan or args.scale:
+        args.out.mkdir(parents=True, exist_ok=True)
+        for flag, name, make in (
+                (args.replan, "replan", lambda: replan_rows(args.scenario, args.library_dir, args.scarce_factor,
+                                                             args.time_limit, console)),
+                (args.scale, "scale", lambda: scale_rows(load_scenario(args.scenario),
+                                                         load_library(args.scenario, args.library_dir),
+                                                         args.time_limit, console))):
+            if flag:
+                rows = make()
+                print_table(f"{name} ({args.scenario}, time limit {args.time_limit:g} s)", rows, console)
+                path = args.out / f"allocator-{name}.json"
+                path.write_text(json.dumps(rows, indent=2, default=str))
+                console.print(f"-> {path}")
+        return
     sc = load_scenario(args.scenario)
     base = load_library(args.scenario, args.library_dir)
     settings = settings_rows(sc, base, args.factor, args.time_limit, args.gap, args.classes, console)

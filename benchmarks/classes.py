@@ -23,8 +23,8 @@ from rich.table import Table
 from coral.allocation.allocator import allocate
 from coral.allocation.plan import Plan
 from coral.catalog.loader import load_scenario
-from coral.experiments.allocation import load_library
 from coral.simulation import simulate
+from coral.templates.store import load_library
 
 
 def pooled(plan: Plan) -> Plan:

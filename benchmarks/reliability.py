@@ -13,9 +13,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import os
 import random
+import signal
+import subprocess
+import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -25,6 +31,7 @@ from typing import Any
 
 import httpx
 import yaml
+from pydantic import ValidationError
 from rich.console import Console
 from rich.table import Table
 
@@ -37,7 +44,7 @@ from coral.runtime.emulated import EngineTiming, create_engine_app
 from coral.runtime.gateway import GatewayConfig, create_gateway_app, load_secrets
 from coral.runtime.handmade import make_instance, make_plan
 from coral.runtime.registry import Endpoint, InstanceState, Registry
-from coral.runtime.server import ServerThread
+from coral.runtime.server import ServerThread, free_port
 
 OUT = Path("out/benchmarks/reliability.json")
 ERROR_KEYS = {"message", "type", "param", "code"}
@@ -52,6 +59,8 @@ class Tally:
     lost: int = 0
     rejected: int = 0
     """Answered 429/503 with Retry-After (overload shed cleanly: handled, not lost)."""
+    cut: int = 0
+    """Ended by a connection error because the serving process was SIGKILLed under them (the client knows)."""
     counters_zero: bool | None = None
     failures: list[str] = field(default_factory=list)
 
@@ -318,14 +327,53 @@ def load_test(clients: int, stream: bool, requests_per_client: int) -> Tally:
 
 
 # --- faults ---------------------------------------------------------------------------------------------
-def fault_engine_killed(before_first_token: bool) -> Tally:
-    """A decode engine crashes with requests on it: before the first token they are retried on the other
-    decode engine (none lost); after it, streams end with an SSE error event (answered, not hung)."""
+ENGINE_PROCESS = (
+    "import sys, uvicorn\n"
+    "from coral.runtime.emulated import EngineTiming, create_engine_app\n"
+    "ttft, itl = float(sys.argv[3]), float(sys.argv[4])\n"
+    "app = create_engine_app(sys.argv[1], 'm', 'decode', EngineTiming.constant(ttft, itl))\n"
+    "uvicorn.run(app, host='127.0.0.1', port=int(sys.argv[2]), log_level='warning')\n"
+)
+
+
+def engine_process(iid: str, ttft_s: float, itl_s: float) -> tuple[subprocess.Popen[bytes], str]:
+    """An emulated decode engine of model `m` in a process of its own, healthy; (process, URL)."""
+    port = free_port()
+    cmd = [sys.executable, "-c", ENGINE_PROCESS, iid, str(port), str(ttft_s), str(itl_s)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    if not poll(lambda: httpx.get(f"{url}/health", timeout=1).status_code == 200, 300):
+        proc.kill()
+        raise RuntimeError(f"engine process {iid} did not start")
+    return proc, url
+
+
+def poll(check: Callable[[], bool], tries: int, every_s: float = 0.1) -> bool:
+    """`check` until true, at most `tries` times (connection errors count as false)."""
+    for _ in range(tries):
+        with contextlib.suppress(httpx.HTTPError, OSError, KeyError, ValueError):
+            if check():
+                return True
+        time.sleep(every_s)
+    return False
+
+
+def fault_engine_killed(before_first_token: bool, process: bool = False) -> Tally:
+    """A decode engine crashes with requests on it (`process`: its own process, killed with SIGKILL; else a
+    server thread dropping its connections): before the first token they are retried on the other decode
+    engine (none lost); after it, streams end with an SSE error event (answered, not hung)."""
     when = "before" if before_first_token else "after"
-    t = Tally(f"fault: engine killed {when} first token")
-    timing = EngineTiming.constant(0.5, 0.0) if before_first_token else EngineTiming.constant(0.0, 0.05)
+    how = "process SIGKILLed" if process else "killed"
+    t = Tally(f"fault: engine {how} {when} first token")
+    ttft, itl = (0.5, 0.0) if before_first_token else (0.0, 0.05)
     with stack(EngineTiming.constant(), decode=0) as s:
-        s.add("d0", "decode", timing)
+        if process:
+            proc, url = engine_process("d0", ttft, itl)
+            s.registry.add(Endpoint("d0", "m", "decode", url, 1.0, InstanceState.READY))
+            kill: Callable[[], None] = lambda: os.kill(proc.pid, signal.SIGKILL)  # noqa: E731
+        else:
+            s.add("d0", "decode", EngineTiming.constant(ttft, itl))
+            kill = lambda: s.engines["d0"].stop(True)  # noqa: E731
         s.add("d1", "decode", EngineTiming.constant(0.0, 0.0))
 
         async def run() -> None:
@@ -348,11 +396,13 @@ def fault_engine_killed(before_first_token: bool) -> Tally:
 
                 tasks = [asyncio.create_task(req(i)) for i in range(20)]
                 await asyncio.sleep(0.3)
-                await asyncio.to_thread(s.engines["d0"].stop, True)
+                await asyncio.to_thread(kill)
                 await asyncio.gather(*tasks)
 
         asyncio.run(run())
         t.counters_zero = s.counters_zero()
+        if process:
+            proc.wait(10)
     return t
 
 
@@ -382,12 +432,15 @@ def fault_client_disconnect() -> Tally:
 
 def fault_controller(db_fault: str | None) -> Tally:
     """The controller dies (thread stopped, nothing drained) and a new one resumes from SQLite while the
-    gateway serves; or its SQLite file turns read-only / is deleted under it: the loop keeps running, reports
-    the error, and the gateway keeps serving."""
+    gateway serves; or its SQLite file turns read-only (file and folder mode 0444/0555: binding for any user
+    but root, which file modes do not stop) / is deleted / is overwritten with garbage under it: the loop keeps
+    running, `/state` answers 200, `/replan` answers JSON (503 naming the file when it cannot write), the
+    gateway keeps serving, and a controller started on the garbage keeps it aside and starts fresh."""
     name = {
-        None: "controller killed and restarted",
-        "readonly": "SQLite read-only",
+        None: "controller stopped and restarted",
+        "readonly": "SQLite read-only (file modes)",
         "missing": "SQLite deleted",
+        "corrupt": "SQLite overwritten with garbage",
     }
     t = Tally(f"fault: {name[db_fault]}")
     plan = make_plan(
@@ -427,13 +480,17 @@ def fault_controller(db_fault: str | None) -> Tally:
                             t.lost += 1
 
                 serve_some(20)
-                if db_fault is None:
+                if db_fault in (None, "corrupt"):
                     c1.stop()
                     c1.store.close()
                     serve_some(20)  # no controller: the gateway goes on with what is registered
-                    c2 = Controller(
-                        Store(db), backend, registry, lambda: plan, interval_s=0.2, ready_timeout_s=10
-                    )
+                    if db_fault == "corrupt":  # what a crash mid-write or a bad copy leaves
+                        db.write_bytes(b"garbage, not sqlite " * 200)
+                        for side in ("-wal", "-shm"):
+                            Path(f"{db}{side}").unlink(missing_ok=True)
+                    store = Store(db)
+                    t.ok((db_fault == "corrupt") == ("kept as" in store.notice), f"store notice {store.notice!r}")
+                    c2 = Controller(store, backend, registry, lambda: plan, interval_s=0.2, ready_timeout_s=10)
                     holder["c"] = c2
                     started = c2.reconcile()["started"]
                     t.ok(started == [] and backend.starts == 3, f"restart re-started {started}")
@@ -442,7 +499,9 @@ def fault_controller(db_fault: str | None) -> Tally:
                     c2.stop()
                 else:
                     if db_fault == "readonly":
-                        c1.store.db.execute("PRAGMA query_only = 1")
+                        for f in db.parent.iterdir():
+                            f.chmod(0o444)
+                        db.parent.chmod(0o555)
                     else:
                         db.unlink()
                         for side in ("-wal", "-shm"):
@@ -452,15 +511,221 @@ def fault_controller(db_fault: str | None) -> Tally:
                     serve_some(20)
                     state = http.get("/state")
                     t.ok(
-                        state.status_code in (200, 500) and c1._thread is not None and c1._thread.is_alive(),
+                        state.status_code == 200 and c1._thread is not None and c1._thread.is_alive(),
                         f"controller loop died / state HTTP {state.status_code}",
                     )
-                    t.ok(db_fault != "readonly" or bool(c1.last_error), "read-only store raised no error")
+                    admin = {"Authorization": "bearer " + "x" * 16}  # the scheme in lower case
+                    replan = http.post("/replan", content=plan.model_dump_json(), headers=admin)
+                    refused = replan.status_code == 503 and "cannot be written" in replan.text
+                    t.ok(replan.status_code == 200 or (db_fault == "readonly" and refused and openai_error(replan)),
+                         f"/replan HTTP {replan.status_code} {replan.text[:80]}")
                     c1.stop()
+                    db.parent.chmod(0o755)
         finally:
             gw.stop()
             backend.close()
         t.counters_zero = all(e.inflight == 0 for e in registry.all())
+    return t
+
+
+# --- the attacks of issue 20 -----------------------------------------------------------------------------
+KEY, READ_TOKEN = "sk-reliability-key-01", "read-only-token-0002"
+
+
+def attack_access() -> Tally:
+    """With API keys set, every endpoint but /health refuses a request without a key (JSON 401), the read-only
+    token reads the views only, `Bearer` is taken in any case, and engines refuse requests without the
+    gateway's token."""
+    t = Tally("attack: endpoints without a key")
+    cfg = GatewayConfig(upstream_api_key="engine-token-0003").with_api_keys([KEY]).with_tokens(read=[READ_TOKEN])
+    with stack(EngineTiming.constant(), config=cfg) as s, httpx.Client(base_url=s.gateway.url, timeout=10) as c:
+        guarded = ServerThread(create_engine_app("g", "m", "decode", EngineTiming.constant(), api_key="engine-token-0003")).start()
+        try:
+            for path in ("/state", "/gateway/state", "/metrics", "/docs", "/openapi.json", "/v1/models"):
+                r = c.get(path)
+                t.ok(r.status_code == 401 and openai_error(r), f"GET {path} without a key: HTTP {r.status_code}")
+            for scheme in ("Bearer", "bearer", "BEARER"):
+                r = c.get("/metrics", headers={"Authorization": f"{scheme} {READ_TOKEN}"})
+                t.ok(r.status_code == 200, f"/metrics with {scheme} read token: HTTP {r.status_code}")
+            r = c.post("/v1/chat/completions", json=chat(), headers={"Authorization": f"Bearer {READ_TOKEN}"})
+            t.ok(r.status_code == 401, f"completion with the read token: HTTP {r.status_code}")
+            r = httpx.post(f"{guarded.url}/v1/completions", json={"model": "m", "prompt": "x"}, timeout=10)
+            t.ok(r.status_code == 401, f"engine without the gateway's token: HTTP {r.status_code}")
+        finally:
+            guarded.stop()
+    return t
+
+
+def attack_metrics() -> Tally:
+    """A lone surrogate and 2,000 unknown 4 KB model names: /metrics stays 200 and does not grow."""
+    t = Tally("attack: /metrics label flood")
+    with stack(EngineTiming.constant()) as s, httpx.Client(base_url=s.gateway.url, timeout=10) as c:
+        r = c.post("/v1/chat/completions", content=b'{"model": "\\ud800", "messages": [{"role": "user", "content": "x"}]}')
+        t.ok(400 <= r.status_code < 500 and openai_error(r), f"surrogate model: HTTP {r.status_code}")
+        before = len(c.get("/metrics").content)
+        for i in range(2000):
+            r = c.post("/v1/chat/completions", json={**chat(), "model": f"{i}" + "x" * 4096})
+            t.ok(r.status_code == 404 and openai_error(r), f"unknown model: HTTP {r.status_code}")
+        after = c.get("/metrics")
+        t.ok(after.status_code == 200 and len(after.content) < before + 1000,
+             f"/metrics HTTP {after.status_code}, {before} -> {len(after.content)} bytes")
+    return t
+
+
+def attack_huge_prompt() -> Tally:
+    """A 7.9 MiB prompt is refused before routing (400, over the context), and 200 concurrent ordinary requests
+    right after all complete."""
+    t = Tally("attack: 7.9 MiB prompt")
+    with stack(EngineTiming.constant(0.002, 0.001)) as s:
+        huge = {**chat(), "messages": [{"role": "user", "content": "w " * int(3.95 * (1 << 20))}]}
+        r = httpx.post(f"{s.gateway.url}/v1/chat/completions", json=huge, timeout=60)
+        t.ok(r.status_code == 400 and "context" in r.text, f"huge prompt: HTTP {r.status_code} {r.text[:80]}")
+
+        async def run() -> None:
+            async with httpx.AsyncClient(base_url=s.gateway.url, timeout=60) as c:
+                outcomes = await asyncio.gather(*(one_request(c, i, False) for i in range(200)))
+            for o in outcomes:
+                t.ok(o == "ok", o)
+                t.lost += o != "ok"
+
+        asyncio.run(run())
+        t.counters_zero = s.counters_zero()
+    return t
+
+
+def attack_slow_connections(n: int = 200) -> Tally:
+    """`n` connections send half a request's headers (or a body that stalls) and wait: the gateway closes
+    every one (header and body read timeouts) and serves ordinary requests meanwhile."""
+    t = Tally(f"attack: {n} slow connections")
+    app = create_gateway_app(Registry(), GatewayConfig(body_timeout_s=2.0), health_checks=False)
+    srv = ServerThread(app, header_timeout_s=2.0).start()
+    partial = [b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n",
+               b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{"]
+
+    async def slow(k: int) -> bool:
+        reader, writer = await asyncio.open_connection("127.0.0.1", srv.port)
+        writer.write(partial[k % 2])
+        try:
+            await asyncio.wait_for(reader.read(), 60)  # until the server closes
+            return True
+        except TimeoutError:
+            return False
+        finally:
+            writer.close()
+
+    async def run() -> None:
+        results = await asyncio.gather(*(slow(k) for k in range(n)))
+        for ok in results:
+            t.ok(ok, "slow connection held open for 60 s")
+
+    try:
+        asyncio.run(run())
+        t.ok(httpx.get(f"{srv.url}/health", timeout=10).status_code == 200, "health after slow connections")
+    finally:
+        srv.stop()
+    return t
+
+
+def attack_replan() -> Tally:
+    """/replan with 100k-deep JSON, garbage, a plan with an injected id, and a chunked body past the limit:
+    each a JSON 4xx naming the reason; and `coral deploy` of a plan with an injected id writes nothing."""
+    from coral.deploy.render import render
+
+    t = Tally("attack: /replan and deploy inputs")
+    c = Controller(Store(Path(tempfile.mkdtemp()) / "s.sqlite"), EmulatedBackend(time_scale=0.0), Registry())
+    app = create_gateway_app(Registry(), extra_routers=[controller_router(c, max_body_bytes=1 << 20)],
+                             health_checks=False)
+    srv = ServerThread(app).start()
+    doc = make_plan([make_instance("phi-4", "decode", [(40, ["1xL40S"])], 100.0)]).model_dump(mode="json")
+    doc["instances"][0]["id"] = "x\ntouch /tmp/pwned #"
+    try:
+        with httpx.Client(base_url=srv.url, timeout=30) as http:
+            bodies: list[bytes | Iterator[bytes]] = [b"[" * 100_000 + b"]" * 100_000, b"{garbage", json.dumps(doc).encode(),
+                      (b" " * 65536 for _ in range(40))]
+            for body in bodies:
+                r = http.post("/replan", content=body)
+                t.ok(400 <= r.status_code < 500 and openai_error(r), f"/replan: HTTP {r.status_code} {r.text[:80]}")
+    finally:
+        srv.stop()
+    try:
+        Plan.model_validate(doc)
+        t.ok(False, "a plan with an injected id validated")
+    except ValidationError:
+        t.ok(True, "")
+    plan = make_plan([make_instance("phi-4", "decode", [(40, ["1xL40S"])], 100.0)], scenario="core")
+    plan.instances[0].id = doc["instances"][0]["id"]  # changed after validation: render checks again
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            render(plan, "commands", Path(tmp) / "out")
+            t.ok(False, "deploy rendered a plan with an injected id")
+        except CoralInputError:
+            t.ok(not (Path(tmp) / "out").exists(), "deploy wrote files for a refused plan")
+    return t
+
+
+def fault_serve_killed() -> Tally:
+    """`coral serve` (controller, gateway and emulated engines in one process) under live traffic: SIGKILL,
+    restart on the same state file (it resumes: the plan is there, lost engines are started again), traffic
+    again; then SIGTERM with a request that never finishes: it exits after its grace period. Requests in
+    flight at the SIGKILL end with a connection error (counted as `cut`, never silently lost)."""
+    t = Tally("fault: coral serve SIGKILLed under traffic, then SIGTERM")
+    with tempfile.TemporaryDirectory() as tmp:
+        plan = make_plan([make_instance("phi-4", "decode", [(40, ["1xL40S"])], 100.0, index=k) for k in range(2)])
+        plan_path = plan.save(Path(tmp) / "plan.json")
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+
+        def start(scale: str) -> subprocess.Popen[bytes]:
+            cmd = [sys.executable, "-m", "coral.cli.main", "serve", "core", "--plan", str(plan_path), "--port",
+                   str(port), "--db", f"{tmp}/state.sqlite", "--time-scale", scale, "--grace", "2"]
+            proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            ready = poll(lambda: httpx.get(f"{url}/health", timeout=1).json()["routable"] == 2, 600)
+            t.ok(ready, "coral serve did not become ready")
+            return proc
+
+        body = {"model": "phi-4", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 20, "stream": True}
+
+        async def traffic(n: int, kill: subprocess.Popen[bytes] | None) -> None:
+            async with httpx.AsyncClient(base_url=url, timeout=60) as c:
+
+                async def one() -> None:
+                    try:
+                        async with c.stream("POST", "/v1/chat/completions", json=body) as r:
+                            raw = await r.aread()
+                        done = raw.rstrip().endswith(b"[DONE]")
+                        t.ok(r.status_code == 200 and (done or (kill is not None and b'"error"' in raw)),
+                             f"HTTP {r.status_code} {raw[-80:]!r}")
+                    except httpx.HTTPError as exc:
+                        t.ok(kill is not None, f"{type(exc).__name__} without a kill")
+                        t.cut += 1
+
+                tasks = [asyncio.create_task(one()) for _ in range(n)]
+                if kill is not None:
+                    await asyncio.sleep(0.5)
+                    kill.kill()
+                await asyncio.gather(*tasks)
+
+        first = start("0.01")
+        asyncio.run(traffic(100, first))
+        first.wait(30)
+        second = start("0.01")
+        asyncio.run(traffic(100, None))
+        state = httpx.get(f"{url}/state", timeout=10)
+        t.ok(state.status_code == 200 and state.json()["plan"] is not None, f"/state HTTP {state.status_code}")
+        def stuck_request() -> None:
+            with contextlib.suppress(httpx.HTTPError):
+                httpx.post(f"{url}/v1/chat/completions", json={**body, "stream": False, "max_tokens": 100_000},
+                           timeout=120)
+
+        threading.Thread(target=stuck_request, daemon=True).start()
+        time.sleep(1.0)
+        second.send_signal(signal.SIGTERM)
+        try:
+            second.wait(60)
+            t.ok(True, "")
+        except subprocess.TimeoutExpired:
+            second.kill()
+            t.ok(False, "coral serve alive 60 s after SIGTERM")
     return t
 
 
@@ -485,7 +750,10 @@ def main() -> None:
             tallies.append(load_test(n, stream, args.requests_per_client))
     if not args.only_load:
         tallies += [fault_engine_killed(True), fault_engine_killed(False), fault_client_disconnect()]
-        tallies += [fault_controller(None), fault_controller("readonly"), fault_controller("missing")]
+        tallies += [fault_engine_killed(True, process=True), fault_engine_killed(False, process=True)]
+        tallies += [fault_controller(f) for f in (None, "readonly", "missing", "corrupt")]
+        tallies += [attack_access(), attack_metrics(), attack_huge_prompt(), attack_slow_connections(),
+                    attack_replan(), fault_serve_killed()]
 
     table = Table(
         "cases",
@@ -494,6 +762,7 @@ def main() -> None:
         "of which 429/503",
         "failed",
         "requests lost",
+        "cut by SIGKILL",
         "counters back to 0",
         title="reliability",
     )
@@ -506,6 +775,7 @@ def main() -> None:
             str(t.rejected),
             f"[red]{t.failed}[/]" if t.failed else "0",
             str(t.lost),
+            str(t.cut),
             zero,
         )
     console = Console()

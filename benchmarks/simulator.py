@@ -22,9 +22,9 @@ from rich.table import Table
 from coral.allocation.allocator import allocate
 from coral.allocation.plan import Plan
 from coral.catalog.loader import load_scenario
-from coral.experiments.allocation import load_library
 from coral.simulation import simulate, workload_for
 from coral.simulation.stand_in import greedy_plan
+from coral.templates.store import load_library
 
 TARGET_S = 60.0
 

@@ -10,15 +10,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from coral.allocation import baselines, solver
-from coral.allocation.allocator import UNLIMITED, InfeasibleDemand, allocate
+from coral.allocation.allocator import FAIRNESS, UNLIMITED, InfeasibleDemand, Mode, allocate
 from coral.allocation.availability import headroom_availability
 from coral.allocation.demand import phase_demand, scenario_demand
 from coral.allocation.plan import Plan
-from coral.allocation.reductions import _undominated_pairwise, undominated
 from coral.allocation.reference import joint_cost
 from coral.catalog.loader import builtin_catalog
 from coral.catalog.schema import Scenario, ScenarioModel
 from coral.perf.model import Phase
+from coral.templates.dominance import _undominated_pairwise, undominated
 from coral.templates.library import Stage, Template, TemplateLibrary
 from coral.templates.placement import set_partitions, solve_node_sets
 
@@ -70,7 +70,7 @@ def avail(n: int) -> dict[str, dict[str, int]]:
 
 def check_plan(plan: Plan, av: dict[str, dict[str, int]] | None) -> None:
     for s in plan.serving:
-        assert s.capacity >= s.demand * plan.demand_scale * (1 - 1e-9) or plan.mode == "goodput"
+        assert s.capacity >= s.demand * plan.demand_scale * (1 - 1e-9) or plan.mode in ("goodput", "maxmin")
     if av is not None:
         used: dict[tuple[str, str], int] = {}
         for inst in plan.instances:
@@ -108,6 +108,29 @@ def test_dominance_golden() -> None:
     # row 1 ⊃ row 0 with equal throughput; row 3 duplicates row 0; row 2 gives more throughput
     assert undominated(counts, thr).tolist() == [True, False, True, False]
     assert undominated(counts, thr, np.array([False, True, False, False])).tolist() == [True, True, True, False]
+
+
+@given(st.integers(0, 10_000), st.integers(1, 3), st.integers(0, 2), st.integers(1, 4))
+@settings(max_examples=80, deadline=None)
+def test_pareto_columns_match_the_definition(seed: int, n_thr: int, n_use: int, block: int) -> None:
+    """The sort-filter skyline (any block size) drops exactly the columns that another column of their group
+    (not running) weakly dominates — strictly somewhere, or identical with a lower index."""
+    from coral.allocation.reductions import pareto_columns
+
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(1, 40))
+    group, cost = rng.integers(0, 3, n), rng.integers(1, 5, n).astype(float)
+    thr, use = rng.integers(1, 4, (n, n_thr)).astype(float), rng.integers(0, 3, (n, n_use))
+    keep = rng.random(n) < 0.15
+    expect = np.ones(n, dtype=bool)
+    for j in range(n):
+        for i in range(n):
+            weak = (group[i] == group[j] and cost[i] <= cost[j] and (thr[i] >= thr[j]).all()
+                    and (use[i] <= use[j]).all())
+            strict = cost[i] < cost[j] or (thr[i] > thr[j]).any() or (use[i] < use[j]).any() or i < j
+            if i != j and not keep[i] and not keep[j] and weak and strict:
+                expect[j] = False
+    assert pareto_columns(group, cost, thr, use, keep, block=block).tolist() == expect.tolist()
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -292,9 +315,16 @@ def test_goodput_and_scaled_modes() -> None:
     av = {REGIONS[0]: {"1xL4": 6}, REGIONS[1]: {}}
     dem = {("a", Phase.PREFILL): 300.0, ("a", Phase.DECODE): 100.0, ("b", Phase.PREFILL): 300.0,
            ("b", Phase.DECODE): 100.0}
-    good = allocate(lib, sc, demand=dem, availability=av, mode="goodput")
-    fractions = {(s.model, s.phase): s.served_fraction for s in good.serving}
+    fair = allocate(lib, sc, demand=dem, availability=av, mode="maxmin")
+    fractions = {(s.model, s.phase): s.served_fraction for s in fair.serving}
     assert min(fractions.values()) == pytest.approx(2 / 3)
+    check_plan(fair, av)
+    # goodput: all 6 nodes serve (600 of 800 tok/s), every key keeps at least FAIRNESS x 2/3 of its demand
+    good = allocate(lib, sc, demand=dem, availability=av, mode="goodput")
+    assert sum(min(s.capacity, s.demand) for s in good.serving) == pytest.approx(600.0)
+    assert min(s.served_fraction for s in good.serving) >= FAIRNESS * 2 / 3 - 1e-9
+    assert allocate(lib, sc, demand=dem, availability=av, mode="goodput", fairness=1.0).cost_per_hour == \
+        pytest.approx(fair.cost_per_hour)
     check_plan(good, av)
     scaled = allocate(lib, sc, demand=dem, availability=av, mode="scaled", scale_step=0.05)
     assert scaled.demand_scale == pytest.approx(0.65)
@@ -303,13 +333,14 @@ def test_goodput_and_scaled_modes() -> None:
     assert ample.cost_per_hour == pytest.approx(allocate(lib, sc, demand=dem, availability=avail(20)).cost_per_hour)
 
 
-def test_goodput_priorities_weight_the_served_fraction() -> None:
+@pytest.mark.parametrize("mode", ["goodput", "maxmin"])
+def test_goodput_priorities_weight_the_served_fraction(mode: Mode) -> None:
     lib, _, _ = scarce_case()
     sc = scenario(["a", "b"], priority=[2.0, 1.0])
     av = {REGIONS[0]: {"1xL4": 6}, REGIONS[1]: {}}
     dem = {("a", Phase.PREFILL): 400.0, ("a", Phase.DECODE): 0.0, ("b", Phase.PREFILL): 400.0,
            ("b", Phase.DECODE): 0.0}
-    plan = allocate(lib, sc, demand=dem, availability=av, mode="goodput")
+    plan = allocate(lib, sc, demand=dem, availability=av, mode=mode)
     frac = {s.model: s.served_fraction for s in plan.serving if s.phase == "prefill"}
     assert frac["a"] == pytest.approx(1.0) and frac["b"] == pytest.approx(0.5)
 
@@ -447,17 +478,146 @@ def test_explicit_availability_and_bad_inputs() -> None:
         allocate(lib, sc, availability=UNLIMITED, demand={("a", Phase.PREFILL): -1.0})
 
 
-def test_target_utilization_scales_planned_capacity() -> None:
-    """Planning at a target utilisation asks for demand / target per phase, for Coral and the baselines alike."""
+def test_planned_capacity_is_traffic_times_headroom() -> None:
+    """The scenario's capacity to plan is mean traffic × headroom: 1 / target_utilization where a phase sets one
+    (the explicit override), else the burst factor of the model's traffic; an explicit demand is used as given."""
     from coral.allocation.allocator import _keys_and_demand
+    from coral.allocation.demand import headroom, scenario_traffic
     from coral.catalog.loader import load_scenario
     from coral.catalog.schema import TargetUtilization
 
     sc = load_scenario("core")
-    full_sc = sc.model_copy(update={"target_utilization": TargetUtilization(prefill=1.0, decode=1.0)})
-    keys, full = _keys_and_demand(full_sc, None)
-    _, part = _keys_and_demand(sc, None)
+    keys, burst = _keys_and_demand(sc, None)
+    traffic, room = scenario_traffic(sc), headroom(sc)
+    assert np.allclose(burst, [traffic[k] * room[k] for k in keys]) and all(room[k] > 1 for k in keys)
+    fixed = sc.model_copy(update={"target_utilization": TargetUtilization(prefill=0.55, decode=0.8)})
+    _, part = _keys_and_demand(fixed, None)
     target = np.array([0.55 if str(p) == "prefill" else 0.8 for _, p in keys])
-    assert np.allclose(part, full / target)
+    assert np.allclose(part, [traffic[k] for k in keys] / target)
     _, explicit = _keys_and_demand(sc, {keys[0]: 110.0})
-    assert explicit.tolist() == [pytest.approx(110.0 / target[0])]
+    assert explicit.tolist() == [110.0]
+
+
+# --- infeasible only when it is: phase one, regressions, parity with the plain formulation ------------------
+def seeded_out_problem(reachable: bool) -> solver.Problem:
+    """Twelve $1 columns of one group: the eight seeded ones (highest score) may not be used (a row of 0 nodes),
+    and a covering row Σ x ≥ 1 without slack (like a rounding cut). `reachable`: the last four are free of the
+    0-node row, so the optimum is $1; otherwise no column can cover the row."""
+    n = 12
+    blocked = np.arange(n if not reachable else 9)
+    rows = np.concatenate([np.zeros(n, dtype=np.int64), np.ones(len(blocked), dtype=np.int64)])
+    cols = np.concatenate([np.arange(n), blocked])
+    return solver.Problem(np.ones(n), np.full(n, 10.0), np.ones(n, dtype=bool), rows, cols, np.ones(len(rows)),
+                          np.array([1.0, -np.inf]), np.array([np.inf, 0.0]), np.zeros(n, dtype=bool),
+                          -np.arange(n, dtype=float), np.zeros(n, dtype=np.int64), np.zeros(n, dtype=bool))
+
+
+def test_restricted_lp_infeasible_prices_in_the_columns_that_cover_it() -> None:
+    out = solver.solve_block(seeded_out_problem(True), gap=1e-9)
+    assert out.objective == pytest.approx(1.0) and out.x is not None and out.x[9:].sum() == pytest.approx(1.0)
+    none = solver.solve_block(seeded_out_problem(False), gap=1e-9)
+    assert none.x is None and none.status == "Infeasible"
+    assert none.row_dual is not None and none.row_dual[0] > 0 and none.row_dual[1] < 0  # the rows that bind
+
+
+def served_total(plan: Plan) -> float:
+    return sum(min(s.capacity, s.demand) for s in plan.serving)
+
+
+def nodes_of(plan: Plan) -> dict[str, dict[str, int]]:
+    used: dict[str, dict[str, int]] = {r: {} for r in REGIONS}
+    for inst in plan.instances:
+        for c, n in inst.counts.items():
+            used[inst.region][c] = used[inst.region].get(c, 0) + n
+    return used
+
+
+@given(st.integers(0, 10_000), st.floats(0.05, 3.0), st.sampled_from(["cost", "goodput", "maxmin", "scaled"]))
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_allocator_matches_the_plain_formulation(seed: int, factor: float, mode: Mode) -> None:
+    """Random small libraries × availability (factor × the unlimited plan's nodes, the headroom rule) × every
+    mode: the allocator raises only where the plain formulation (`reference.plain_solve`) has no solution, and
+    each stage's objective is the reference's within the requested gap."""
+    from coral.allocation.reference import plain_solve
+    from coral.catalog.schema import TargetUtilization
+
+    rng = np.random.default_rng(seed)
+    models = ["a", "b"]
+    lib = random_library(seed, models, n=5)
+    sc = scenario(models).model_copy(update={"target_utilization": TargetUtilization(prefill=1.0, decode=1.0)})
+    dem = {(m, p): float(rng.uniform(50, 600) if p == Phase.PREFILL else rng.uniform(20, 300))
+           for m in models for p in Phase}
+    est: dict[str, int] = {}
+    for inst in allocate(lib, sc, demand=dem, availability=UNLIMITED, gap=1e-9).instances:
+        for c, n in inst.counts.items():
+            est[c] = est.get(c, 0) + n
+    av = headroom_availability(sc, est, factor)
+    gap = 1e-6
+
+    def ref(**kw: object) -> float | None:
+        return plain_solve(lib, sc, av, demand=dem, **kw).objective  # type: ignore[arg-type]
+
+    t_ref = -(ref(objective="maxmin") or 0.0)
+    if mode == "cost":
+        cost = ref()
+        if cost is None:
+            with pytest.raises(InfeasibleDemand):
+                allocate(lib, sc, demand=dem, availability=av, gap=gap)
+            return
+        plan = allocate(lib, sc, demand=dem, availability=av, gap=gap)
+        assert cost - 1e-6 <= plan.cost_per_hour <= cost * (1 + gap) + 1e-6
+        check_plan(plan, av)
+        return
+    scale = t_ref if mode != "scaled" else np.floor(t_ref / 0.05 + 1e-9) * 0.05
+    if mode != "goodput" and scale <= 0:
+        with pytest.raises(InfeasibleDemand):
+            allocate(lib, sc, demand=dem, availability=av, mode=mode, gap=gap)
+        return
+    plan = allocate(lib, sc, demand=dem, availability=av, mode=mode, gap=gap)
+    check_plan(plan, av)
+    least = min(s.served_fraction for s in plan.serving)
+    if mode == "goodput":
+        best = -(ref(objective="goodput", fraction=FAIRNESS * t_ref) or 0.0)
+        assert served_total(plan) >= best * (1 - gap) - 1e-6 and least >= FAIRNESS * t_ref - 1e-6
+        fractions = {(s.model, Phase(s.phase)): s.served_fraction * (1 - 1e-9) for s in plan.serving}
+    else:
+        assert least >= scale - 1e-6 and (mode == "scaled" or least == pytest.approx(t_ref, abs=1e-6))
+        assert plan.demand_scale == pytest.approx(scale if mode == "scaled" else 1.0)
+        fractions = dict.fromkeys(dem, scale * (1 - 1e-9))
+    cost = ref(fraction=fractions)
+    assert cost is not None and plan.cost_per_hour <= cost * (1 + gap) + 1e-6
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_cost_mode_on_the_cluster_of_its_own_plan(seed: int) -> None:
+    """A fixed cluster holding exactly the unlimited optimum's nodes: all demand fits, so cost mode finds a plan
+    at the same cost (it used to report 'at most 100.0 % of demand can be served')."""
+    models = ["a", "b", "c"]
+    lib = random_library(200 + seed, models)
+    sc = scenario(models, rates=[6.0, 4.0, 5.0])
+    free = allocate(lib, sc, availability=UNLIMITED, gap=1e-9)
+    fixed = allocate(lib, sc, availability=nodes_of(free), gap=1e-9)
+    assert fixed.cost_per_hour == pytest.approx(free.cost_per_hour, rel=1e-9)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_repaired_lp_point_is_feasible(seed: int) -> None:
+    """The fallback incumbent (LP point rounded down, then repaired) meets every row of the cost MILP, running
+    plans (scale-up penalty rows) included, whenever it is found; on these cases it is found."""
+    models = ["a", "b", "c"]
+    lib = random_library(300 + seed, models)
+    sc = scenario(models, rates=[6.0, 4.0, 5.0], k=0.3)
+    av = avail(int(np.random.default_rng(seed).integers(4, 9)))
+    free = allocate(lib, sc, availability=UNLIMITED, gap=1e-9)
+    from coral.allocation.allocator import _context
+    from coral.allocation.core import assemble
+
+    ctx = _context(lib, sc, None, av, None, free, True)
+    problem, _ = assemble(ctx.cols, ctx.market, ctx.demand, penalty_k=ctx.penalty_k)
+    lp, cols, _ = solver._lp(problem, solver._seed(problem, None), 10.0)
+    assert lp.x is not None
+    x = np.zeros(problem.n)
+    x[cols] = lp.x
+    fixed = solver.repair(problem, x)
+    assert fixed is not None and problem.violation(fixed) <= 1e-9
+    assert np.allclose(fixed[problem.integer], np.round(fixed[problem.integer]))

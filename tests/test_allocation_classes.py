@@ -22,7 +22,7 @@ from coral.allocation.classes import (
 )
 from coral.allocation.reductions import pareto_columns
 from coral.catalog.loader import builtin_catalog
-from coral.catalog.schema import AvailabilityHeadroom, RequestClass, Scenario, ScenarioModel
+from coral.catalog.schema import AvailabilityHeadroom, RequestClass, Scenario, ScenarioModel, TargetUtilization
 from coral.perf.model import Phase
 from coral.templates.library import Stage, Template, TemplateLibrary
 
@@ -33,8 +33,10 @@ SHORT_LONG = [RequestClass(share=0.5, mean_input_tokens=50, mean_output_tokens=1
 
 
 def scenario(request_classes: object, regions: list[str] | None = None) -> Scenario:
+    """One model; capacity planned at the mean (target utilisation 1) so that the scenario's demand is its traffic."""
     return Scenario(
         name="classes", regions=regions or [REGION], configs=CONFIGS, availability=AvailabilityHeadroom(factor=3.0),
+        target_utilization=TargetUtilization(prefill=1.0, decode=1.0),
         models=[ScenarioModel(model="phi-4", prefill_slo_ms=1000, decode_slo_ms=50, request_rate=1.0,
                               mean_input_tokens=100, mean_output_tokens=100,
                               request_classes=request_classes)],  # type: ignore[arg-type]

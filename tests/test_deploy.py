@@ -388,3 +388,97 @@ def test_endpoints_file_carries_request_classes(tmp_path):
     registry = static_registry(spec)
     assert registry.class_of("phi-4", 150) == "q1" and registry.class_of("phi-4", 5000) == "q2"
     assert registry.get("phi-4-decode-t2-aws-us-east-2").weight_for("q2") == pytest.approx(600.0)
+
+
+INJECTIONS = ["x\ntouch /tmp/pwned #", "a b", "$(id)", "a;b", "`id`", "it's", "a|b", "-rf", "x" * 129, ""]
+
+
+@pytest.mark.parametrize("value", INJECTIONS)
+@pytest.mark.parametrize("field", ["id", "model", "region", "node"])
+def test_unsafe_ids_and_names_are_refused_by_the_plan_schema(tmp_path, field, value):
+    doc = sample_plan().model_dump(mode="json")
+    inst = doc["instances"][0]
+    if field == "node":
+        inst["stages"][0]["nodes"][0] = value
+    else:
+        inst[field] = value
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(doc))
+    out = tmp_path / "out"
+    r = CliRunner().invoke(app, ["deploy", "--plan", str(path), "--target", "commands", "--out", str(out)])
+    assert r.exit_code == 2, r.output
+    assert "String should match pattern" in r.output and not out.exists()
+
+
+def test_command_scripts_quote_every_word(tmp_path):
+    plan = make_plan([make_instance("phi-4", "decode", [(40, ["1xL40S"])], 800.0, template_id=2)], scenario="core")
+    plan.instances[0].id = "phi-4.decode:t2+x_0"
+    res = render(plan, "commands", tmp_path)
+    (script,) = res.files
+    line = script.read_text().splitlines()[-1]
+    (launch,) = launch_commands(plan.instances[0], PHI)
+    words = shlex.split(line)
+    assert words[words.index("exec") + 1:] == launch.argv
+
+
+def _bad_plans():
+    def plan_with(**changes):
+        doc = sample_plan().model_dump(mode="json")
+        inst = doc["instances"][changes.pop("k", 0)]
+        for path, value in changes.items():
+            *head, last = path.split("__")
+            obj = inst
+            for p in head:
+                obj = obj[int(p)] if p.isdigit() else obj[p]
+            obj[int(last) if last.isdigit() else last] = value
+        return doc
+
+    dup = sample_plan().model_dump(mode="json")
+    dup["instances"][2]["id"] = dup["instances"][1]["id"]
+    return [
+        (plan_with(region="gcp-us-central1"), "no offering of 1xL40S in region 'gcp-us-central1'"),
+        (plan_with(stages__0__nodes=["3xL40S"], counts={"3xL40S": 1}), "must look like"),
+        (plan_with(stages__0__nodes=["1xNOPE"], counts={"1xNOPE": 1}), "unknown GPU 'NOPE'"),
+        (plan_with(stages__0__node_throughput=[]), "node_throughput: 0 values for 1 nodes"),
+        (plan_with(stages__0__layers=39), "cover 39 layers, phi-4 has 40"),
+        (plan_with(k=3, stages__1__first_layer=31), "first_layer: 31, expected 30"),
+        (plan_with(counts={"1xL40S": 2}), "counts"),
+        (plan_with(model="no-such-model"), "unknown model 'no-such-model'"),
+        (dup, "appears 2 times"),
+    ]
+
+
+@pytest.mark.parametrize(("doc", "why"), _bad_plans())
+@pytest.mark.parametrize("target", ["commands", "kubernetes"])
+def test_deploy_checks_the_whole_plan_and_writes_nothing(tmp_path, doc, why, target):
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(doc))
+    out = tmp_path / "out"
+    r = CliRunner().invoke(app, ["deploy", "--plan", str(path), "--target", target, "--out", str(out)])
+    assert r.exit_code == 2, r.output
+    assert why in " ".join(r.output.split()) and "nothing was written" in r.output
+    assert not out.exists() and "Traceback" not in r.output
+
+
+def test_a_failure_mid_render_leaves_the_out_folder_as_it_was(tmp_path, monkeypatch):
+    import coral.deploy.render as render_mod
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    calls = []
+
+    def failing(inst, launch):
+        calls.append(inst.id)
+        if len(calls) == 3:
+            raise RuntimeError("disk full")
+        return "#!/bin/sh\n"
+
+    monkeypatch.setattr(render_mod, "node_script", failing)
+    with pytest.raises(RuntimeError):
+        render(sample_plan(), "commands", out)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no staging folder left behind
+    assert [p.name for p in out.iterdir()] == ["keep.txt"]
+    monkeypatch.undo()
+    res = render(sample_plan(), "commands", out)
+    assert {p.name for p in out.iterdir()} == {"keep.txt", "index.json", *(p.name for p in res.files)}

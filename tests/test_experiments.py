@@ -13,7 +13,8 @@ from coral.allocation.demand import scenario_demand
 from coral.allocation.plan import Plan
 from coral.catalog.loader import CoralInputError, load_scenario
 from coral.cli.main import app
-from coral.experiments.allocation import _churn, _imbalanced_demand, load_library, run_experiment
+from coral.experiments.allocation import _churn, _imbalanced_demand, run_experiment
+from coral.templates.store import load_library
 
 
 @pytest.fixture(scope="module")
@@ -84,3 +85,67 @@ def test_imbalanced_demand_shifts_toward_large_models() -> None:
     light = _imbalanced_demand(sc, large_heavy=False)
     for key, v in base.items():
         assert {heavy[key] / v, light[key] / v} == {2.0, 0.5}
+
+
+def test_scarce_core_plans_in_every_mode_and_cost_mode_fits_its_own_cluster(out: Path) -> None:
+    """Issue 19's two cases on core: at availability × 0.5 every scarcity mode returns a plan (goodput used to
+    raise although 60.9 % can be served) and goodput serves at least as much as max-min; on a fixed cluster of
+    exactly the unlimited optimum's nodes, cost mode finds that optimum again."""
+    from coral.allocation.availability import estimated_nodes, headroom_availability
+
+    sc, lib = load_scenario("core"), load_library("core", out)
+    scarce = headroom_availability(sc, estimated_nodes(sc, lib), 0.5)
+    plans = {mode: allocate(lib, sc, availability=scarce, mode=mode) for mode in ("goodput", "maxmin", "scaled")}
+    served = {mode: sum(min(s.capacity, s.demand) for s in p.serving) for mode, p in plans.items()}
+    assert 0 < served["maxmin"] <= served["goodput"] + 1e-6
+    free = allocate(lib, sc, availability="unlimited", gap=1e-9)
+    cluster: dict[str, dict[str, int]] = {r: {} for r in sc.regions}
+    for inst in free.instances:
+        for c, n in inst.counts.items():
+            cluster[inst.region][c] = cluster[inst.region].get(c, 0) + n
+    assert allocate(lib, sc, availability=cluster, gap=1e-9).cost_per_hour == pytest.approx(free.cost_per_hour)
+
+
+def test_paper_imbalanced_demand_puts_80_percent_on_a_third_of_the_models() -> None:
+    """§6.5: the scenario's total request rate, 80 % on the largest (smallest) third — qwen3-32b (phi-4) in core."""
+    from coral.allocation.demand import phase_demand
+    from coral.experiments.allocation import _paper_imbalanced_demand
+
+    sc = load_scenario("core")
+    total = sum(sm.request_rate for sm in sc.models)
+    for heavy, model in ((True, "qwen3-32b"), (False, "phi-4")):
+        dem = _paper_imbalanced_demand(sc, heavy)
+        for sm in sc.models:
+            rate = total * (0.8 if sm.model == model else 0.1)
+            assert {p: dem[(sm.model, p)] for p in phase_demand(sm)} == pytest.approx(phase_demand(sm, rate))
+
+
+def test_offerings_file_replaces_the_market_from_the_cli_and_the_scenario(out: Path, tmp_path: Path) -> None:
+    """`--offerings FILE` and a scenario's `offerings:` field: every price doubled doubles the plan's cost (same
+    nodes); a file naming an unknown GPU is refused with its path and field."""
+    import yaml
+
+    from coral.catalog.loader import data_path
+
+    shipped = yaml.safe_load(data_path("offerings.yaml").read_text())
+    for o in shipped["offerings"]:
+        o["price_per_hour"] *= 2
+    dear = tmp_path / "dear.yaml"
+    dear.write_text(yaml.safe_dump(shipped))
+    runner = CliRunner()
+    costs = []
+    for args in ([], ["--offerings", str(dear)]):
+        res = runner.invoke(app, ["allocate", "core", "--out", str(out), "--gap", "1e-9", *args])
+        assert res.exit_code == 0, res.output
+        costs.append(Plan.load(out / "core.cost.coral.plan.json").cost_per_hour)
+    assert costs[1] == pytest.approx(2 * costs[0])
+    scenario = yaml.safe_load(data_path("scenarios", "core.yaml").read_text())
+    (tmp_path / "core.yaml").write_text(yaml.safe_dump({**scenario, "offerings": "dear.yaml"}))
+    sc = load_scenario(tmp_path / "core.yaml")
+    assert sc.offerings == str(dear.resolve())
+    plan = allocate(load_library("core", out), sc, gap=1e-9)
+    assert plan.cost_per_hour == pytest.approx(costs[1])
+    shipped["offerings"][0]["gpu"] = "Z9"
+    dear.write_text(yaml.safe_dump(shipped))
+    bad = runner.invoke(app, ["allocate", "core", "--out", str(out), "--offerings", str(dear)])
+    assert bad.exit_code == 2 and "offerings.0.gpu" in bad.output and "Z9" in bad.output

@@ -10,8 +10,8 @@ import openai
 import pytest
 from test_runtime_gateway import FAST, chat, sse_events, stack
 
+from coral.openai_shapes import InvalidRequest, parse_request
 from coral.runtime.emulated import token_text
-from coral.runtime.gateway import BadRequest, validate_request
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -108,7 +108,7 @@ def test_validation_errors_name_the_field(pd):
     with pytest.raises(openai.BadRequestError) as e:
         c.chat.completions.create(model="m", messages=[], max_tokens=2)
     assert e.value.body == {  # type: ignore[comparison-overlap]
-        "message": "'messages' is required and must be a non-empty array",
+        "message": "'messages': List should have at least 1 item after validation, not 0",
         "type": "invalid_request_error",
         "param": "messages",
         "code": None,
@@ -172,8 +172,49 @@ def test_streamed_sse_events_parse_as_openai_chunks(pd):
 )
 def test_validate_request_cases(body, chat_api, param):
     if param is None and isinstance(body, dict):
-        validate_request(body, chat_api)
+        parse_request(body, chat_api)
         return
-    with pytest.raises(BadRequest) as e:
-        validate_request(body, chat_api)
+    with pytest.raises(InvalidRequest) as e:
+        parse_request(body, chat_api)
     assert e.value.param == param
+
+
+COMPLETION, CHAT = {"model": "m", "prompt": "x"}, {"model": "m", "messages": MESSAGES}
+
+
+@pytest.mark.parametrize(
+    ("body", "chat_api", "param"),
+    [
+        ({**COMPLETION, "top_k": "x"}, False, "top_k"),
+        ({**COMPLETION, "stop": 5}, False, "stop"),
+        ({**COMPLETION, "seed": "x"}, False, "seed"),
+        ({**COMPLETION, "logprobs": 100}, False, "logprobs"),
+        ({**COMPLETION, "prompt": [[1, True]]}, False, "prompt"),
+        ({**COMPLETION, "prompt": [[1, -2]]}, False, "prompt"),
+        ({**COMPLETION, "n": 1 << 31}, False, "n"),
+        ({**COMPLETION, "max_tokens": 1 << 31}, False, "max_tokens"),
+        ({**CHAT, "messages": [{"role": "user", "content": [{"type": "text"}]}]}, True, "messages[0].content"),
+        ({**CHAT, "messages": [{"role": "user", "content": [{"type": "video", "x": 1}]}]}, True,
+         "messages[0].content"),
+        ({**CHAT, "messages": [{"role": "user", "content": [5]}]}, True, "messages[0].content"),
+        ({**CHAT, "top_logprobs": 21}, True, "top_logprobs"),
+        ({**CHAT, "logprobs": 3}, True, "logprobs"),
+        ({**CHAT, "logit_bias": {"5": 1000}}, True, "logit_bias.5"),
+        ({**CHAT, "user": 7}, True, "user"),
+    ],
+)
+def test_openai_schema_refuses_what_it_does_not_define(pd, body, chat_api, param):
+    """Cases a hand-written check let through as 200: each is a 400 naming the field, through the gateway."""
+    path = "/v1/chat/completions" if chat_api else "/v1/completions"
+    r = httpx.post(f"{pd.gateway.url}{path}", json=body, timeout=10)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+
+
+def test_openai_schema_keeps_what_vllm_accepts():
+    parse_request({**COMPLETION, "prompt": [[1, 2]], "top_k": -1, "seed": 7, "stop": ["a", "b"], "logprobs": 5,
+                   "ignore_eos": True, "return_token_ids": True, "min_tokens": 2, "guided_json": {}}, False)
+    content = [{"type": "text", "text": "hi"}, {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]
+    parse_request({**CHAT, "messages": [{"role": "user", "content": content}], "logprobs": True,
+                   "top_logprobs": 3, "stream": True, "stream_options": {"include_usage": True},
+                   "tools": [{"type": "function", "function": {"name": "f"}}]}, True)

@@ -16,14 +16,22 @@ from coral.simulation.metrics import SimResult
 
 
 def test_coral_run_writes_plans_simulation_and_report(tmp_path: Path) -> None:
-    res = CliRunner().invoke(app, ["run", "--out", str(tmp_path), "--duration", "600"])
+    res = CliRunner().invoke(app, ["run", "--out", str(tmp_path), "--duration", "600", "--budget", "15"])
     assert res.exit_code == 0, res.output
     folder = tmp_path / "run-core"
     summary = json.loads((folder / "summary.json").read_text())
     costs = summary["planned_cost_per_hour"]
-    assert costs["coral"] <= costs["homo-greedy"] and costs["coral"] <= costs["cauchy-paper"]
-    assert summary["served_fraction"]["coral"] == pytest.approx(1.0)
+    assert set(costs) == {"coral", "homo-greedy", "cauchy-paper"}
+    # every method's plan was searched and scored against the targets on held-out requests, with a verdict
     plan = Plan.load(folder / "plan.cost.coral.json")
+    assert plan.slo is not None and plan.slo.target == {m: 0.9 for m in ("phi-4", "gpt-oss-20b", "qwen3-32b")}
+    assert plan.slo.held_out_seeds and set(plan.slo.verdict) == set(plan.slo.target)
+    assert all(v.startswith(("pass", "fail")) for v in plan.slo.verdict.values())
+    assert "Verdict per model" in res.output and "synthetic stand-in" in res.output
+    for s in plan.serving:
+        assert s.headroom is not None and s.headroom >= 1.0
+        assert summary["headroom"][f"{s.model}/{s.phase}"] == pytest.approx(s.headroom, rel=1e-3)
+    assert summary["slo"]["homo-greedy"]["verdict"]
     assert abs(sum(i.cost_per_hour for i in plan.instances) - plan.cost_per_hour) < 1e-6
     html = (folder / "report.html").read_text()
     assert "<html" in html and plan.scenario in html

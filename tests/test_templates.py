@@ -204,3 +204,32 @@ def test_pipeline_throughput_shares_one_micro_batch() -> None:
     assert t.throughput == pytest.approx(k / step, rel=0.02)
     table, _ = pm.throughput_table(arch, Phase.DECODE, cat.node_config("1xL40S"), sm.decode_slo_ms / 1e3, 2, w)
     assert t.throughput < min(table[l40s.layers], h100.node_throughput[0] * 2)
+
+
+def test_library_fingerprint_names_what_changed_and_stale_libraries_are_rebuilt(tmp_path, monkeypatch, capsys):  # type: ignore[no-untyped-def]
+    import json as json_
+
+    import coral.templates.build as build_mod
+    from coral.catalog.loader import load_scenario as load_sc
+    from coral.templates import store
+
+    sc = load_sc("core")
+    lib = TemplateLibrary.from_templates(["1xL4"], [], {"fingerprint": json_.dumps(store.fingerprint(sc))})
+    assert store.changed_parts(lib, sc) == []
+    slower = sc.models[0].model_copy(update={"decode_slo_ms": sc.models[0].decode_slo_ms * 2})
+    assert store.changed_parts(lib, sc.model_copy(update={"models": [slower, *sc.models[1:]]})) == ["slos"]
+    assert store.changed_parts(lib, sc.model_copy(update={"n_max": sc.n_max - 1, "rho": 8.0})) == ["n_max", "rho"]
+    assert store.changed_parts(TemplateLibrary.from_templates(["1xL4"], [], {}), sc) == list(store.fingerprint(sc))
+    built: list[str] = []
+
+    def fake_build(scenario, catalog=None, **_):  # type: ignore[no-untyped-def]
+        built.append(scenario.name)
+        return TemplateLibrary.from_templates(["1xL4"], [], {"fingerprint": json_.dumps(store.fingerprint(scenario))})
+
+    monkeypatch.setattr(build_mod, "build_library", fake_build)
+    lib.meta["fingerprint"] = json_.dumps({**store.fingerprint(sc), "perf": "old"})
+    lib.save(tmp_path / "core.templates.sqlite")
+    store.load_library("core", tmp_path)
+    assert built == ["core"] and "perf changed" in capsys.readouterr().err
+    store.load_library("core", tmp_path)  # now current: loaded, not rebuilt
+    assert built == ["core"]

@@ -4,6 +4,7 @@ largest served fraction of demand (goodput mode) or the paper's uniform demand s
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
@@ -14,13 +15,15 @@ from coral.allocation import core, solver
 from coral.allocation.classes import KeyClasses, key_classes
 from coral.allocation.demand import DemandKey, scenario_demand
 from coral.allocation.plan import Plan, PlanClass, SolveReport
-from coral.catalog.loader import Catalog, CoralInputError, builtin_catalog
+from coral.catalog.loader import Catalog, CoralInputError, market_catalog
 from coral.catalog.schema import Scenario
 from coral.perf.model import Phase
 from coral.templates.library import TemplateLibrary
 
-Mode = Literal["cost", "goodput", "scaled"]
+Mode = Literal["cost", "goodput", "maxmin", "scaled"]
+MODES = ("cost", "goodput", "maxmin", "scaled")
 UNLIMITED = "unlimited"
+FAIRNESS = 0.5  # goodput mode: every model keeps at least this share of the uniform max-min fraction
 
 
 class InfeasibleDemand(CoralInputError):
@@ -49,20 +52,20 @@ class _Context:
 
 
 def _keys_and_demand(scenario: Scenario, demand: Mapping[DemandKey, float] | None) -> tuple[list[DemandKey], np.ndarray]:
-    """Capacity to plan per (model, phase): the demand (traffic tokens/s) / the phase's target utilisation."""
+    """Capacity to plan per (model, phase): `demand` as given, or the scenario's (mean traffic × headroom, see
+    `coral.allocation.demand`)."""
     base = scenario_demand(scenario) if demand is None else {(m, Phase(p)): float(v) for (m, p), v in demand.items()}
     for (m, p), v in base.items():
         if v < 0 or not math.isfinite(v):
             raise CoralInputError(f"demand[{m}/{p}]: must be a finite number >= 0, not {v}")
     keys = list(base)
-    target = scenario.target_utilization
-    return keys, np.array([base[k] / target.of(str(k[1])) for k in keys], dtype=float)
+    return keys, np.array([base[k] for k in keys], dtype=float)
 
 
 def _context(library: TemplateLibrary, scenario: Scenario, demand: Mapping[DemandKey, float] | None,
              availability: core.Availability | str | None, catalog: Catalog | None,
              running: Plan | core.Running | None, reduce: bool) -> _Context:
-    catalog = catalog or builtin_catalog()
+    catalog = catalog or market_catalog(scenario)
     keys, dem = _keys_and_demand(scenario, demand)
     for m, p in keys:
         if dem[keys.index((m, p))] > 0 and not len(core.key_rows(library, m, str(p), False)[0]):
@@ -91,27 +94,90 @@ def _context(library: TemplateLibrary, scenario: Scenario, demand: Mapping[Deman
                     else None, cols, reduce, classes)
 
 
-def _solve_cost(ctx: _Context, target_scale: float, weights: np.ndarray | None, time_limit: float,
-                gap: float) -> tuple[solver.Outcome, core.Layout]:
-    w = weights if weights is not None else np.ones(len(ctx.demand))
-    problem, layout = core.assemble(ctx.cols, ctx.market, ctx.demand * w, penalty_k=ctx.penalty_k,
-                                    min_fraction=target_scale)
-    x0 = core.greedy(ctx.cols, ctx.market, ctx.demand * w * target_scale)
-    start = None if x0 is None else core.full_start(x0, problem, layout, ctx.cols, ctx.penalty_k)
-    out = solver.solve(problem, time_limit=time_limit, gap=gap, start=start, reduce=ctx.reduce)
-    return out, layout
+@dataclass
+class _Stage:
+    """One solved stage: the outcome, where its variables sit, and each key's served fraction (1 without
+    demand; all zero when the stage found no solution)."""
+
+    out: solver.Outcome
+    layout: core.Layout
+    served: np.ndarray
+
+    def shares(self) -> np.ndarray | None:
+        """The solution's class shares, capped by its rounded instance counts (a start for the next stage)."""
+        if self.out.x is None or not len(self.layout.share_parent):
+            return None
+        j = self.layout.share_parent
+        nu = np.round(self.out.x[:self.layout.n_x])
+        share = np.maximum(self.out.x[self.layout.share_start:], 0.0)
+        used = np.bincount(j, share, minlength=self.layout.n_x)
+        return share * np.minimum(1.0, nu[j] / np.where(used[j] > 0, used[j], 1.0))
 
 
-def _solve_maxmin(ctx: _Context, weights: np.ndarray, time_limit: float, gap: float) -> tuple[solver.Outcome, core.Layout, float]:
-    problem, layout = core.assemble(ctx.cols, ctx.market, ctx.demand, penalty_k=None, maxmin_weights=weights)
-    out = solver.solve(problem, time_limit=time_limit, gap=gap, start=np.zeros(problem.n), reduce=ctx.reduce)
-    assert layout.t_col is not None
-    t = float(out.x[layout.t_col]) if out.x is not None else 0.0
+def _stage(ctx: _Context, out: solver.Outcome, layout: core.Layout) -> _Stage:
+    served = np.zeros(len(ctx.demand))
     if out.x is not None:
         cap = _capacity(ctx, layout, out.x)
-        pos = (ctx.demand > 0)
-        t = float(min(1.0, (cap[pos] / (ctx.demand[pos] * weights[pos])).min(initial=1.0)))
-    return out, layout, t
+        with np.errstate(divide="ignore", invalid="ignore"):
+            served = np.where(ctx.demand > 0, np.minimum(1.0, cap / ctx.demand), 1.0)
+    return _Stage(out, layout, served)
+
+
+def _start(ctx: _Context, problem: solver.Problem, layout: core.Layout, targets: np.ndarray | None,
+           prev: _Stage | None, weights: np.ndarray) -> np.ndarray | None:
+    """The best feasible start of `problem` (least objective) among the greedy plan meeting `targets` (when
+    given), the greedy plan serving what it can of all demand (for the served objectives) and the previous
+    stage's solution; None when none is feasible. The max-min t and goodput's served fractions are set from the
+    start's capacity."""
+    starts: list[np.ndarray] = []
+    greedy = [] if targets is None else [core.greedy(ctx.cols, ctx.market, targets)]
+    if layout.t_col is not None or layout.served_col:
+        greedy.append(core.greedy(ctx.cols, ctx.market, ctx.demand * weights, partial=True))
+    starts += [core.full_start(x0, problem, layout, ctx.cols, ctx.penalty_k) for x0 in greedy if x0 is not None]
+    if prev is not None and prev.out.x is not None:
+        starts.append(core.full_start(np.round(prev.out.x[:prev.layout.n_x]), problem, layout, ctx.cols,
+                                      ctx.penalty_k, prev.shares()))
+    for v in starts:
+        served = _stage(ctx, solver.Outcome("", v, None, None, None, 0.0, 0, 0), layout).served
+        for k, col in layout.served_col.items():
+            v[col] = served[k]
+        if layout.t_col is not None:
+            pos = ctx.demand > 0
+            v[layout.t_col] = float(min(1.0, (served[pos] / weights[pos]).min(initial=1.0)))
+    feasible = [v for v in starts if problem.violation(v) <= 1e-9]
+    return min(feasible, key=lambda v: float(problem.cost @ v)) if feasible else None
+
+
+def _solve_cost(ctx: _Context, fraction: float | np.ndarray, weights: np.ndarray | None, time_limit: float,
+                gap: float, prev: _Stage | None = None) -> _Stage:
+    """Least cost with capacity ≥ fraction·w·D per key, warm-started from the greedy plan or `prev`."""
+    w = weights if weights is not None else np.ones(len(ctx.demand))
+    problem, layout = core.assemble(ctx.cols, ctx.market, ctx.demand * w, penalty_k=ctx.penalty_k,
+                                    min_fraction=fraction)
+    start = _start(ctx, problem, layout, ctx.demand * w * fraction, prev, w)
+    return _stage(ctx, solver.solve(problem, time_limit=time_limit, gap=gap, start=start, reduce=ctx.reduce), layout)
+
+
+def _solve_served(ctx: _Context, objective: Literal["maxmin", "goodput"], weights: np.ndarray,
+                  floor: np.ndarray | None, time_limit: float, gap: float, prev: _Stage | None = None) -> _Stage:
+    """Max-min served fraction, or max weighted tokens/s served with per-key floors; warm-started from `prev`,
+    else from the greedy plan of the largest uniform share it reaches (`_greedy_share`)."""
+    problem, layout = core.assemble(ctx.cols, ctx.market, ctx.demand, penalty_k=None, objective=objective,
+                                    weights=weights, min_fraction=floor)
+    targets = None if prev is not None else ctx.demand * weights * _greedy_share(ctx, weights)
+    start = _start(ctx, problem, layout, targets, prev, weights)
+    return _stage(ctx, solver.solve(problem, time_limit=time_limit, gap=gap, start=start, reduce=ctx.reduce), layout)
+
+
+def _greedy_share(ctx: _Context, weights: np.ndarray, steps: int = 6) -> float:
+    """The largest uniform share s (bisection, `steps` halvings) for which the greedy plan meets s·w·D."""
+    lo, hi = 0.0, 1.0
+    if core.greedy(ctx.cols, ctx.market, ctx.demand * weights) is not None:
+        return 1.0
+    for _ in range(steps):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if core.greedy(ctx.cols, ctx.market, ctx.demand * weights * mid) is not None else (lo, mid)
+    return lo
 
 
 def _class_served(ctx: _Context, layout: core.Layout, x: np.ndarray) -> np.ndarray | None:
@@ -218,45 +284,84 @@ def allocate(
     reduce: bool = True,
     scale_step: float = 0.05,
     method: str = "coral",
+    fairness: float = FAIRNESS,
 ) -> Plan:
     """Plan instances of `library` templates per region for `demand` (tokens/s per (model, phase); default: the
     scenario's, see `phase_demand`) under `availability` ({region: {config: nodes}}; None = the scenario's,
     resolved by `resolve_availability`; "unlimited" = none).
 
-    Modes: "cost" minimises $/h + scale-up penalty and raises `InfeasibleDemand` when demand cannot be met;
-    "goodput" maximises the minimum served fraction t (capacity ≥ t·w·D, w = priority / max priority, t ≤ 1)
-    and then minimises cost at that t; "scaled" scales all demand by the largest multiple of `scale_step` that
-    is feasible (the paper's protocol) and minimises cost there. With `running` (a previous plan or
-    {(template id, region): count}), starting an instance costs K·price extra (K = scenario.init_penalty_k)."""
-    if mode not in ("cost", "goodput", "scaled"):
-        raise CoralInputError(f"mode: must be cost, goodput or scaled, not {mode!r}")
+    Modes (w = priority / max priority): "cost" minimises $/h + scale-up penalty and raises `InfeasibleDemand`
+    when demand cannot be met; "goodput" (for scarcity) finds the largest uniform served fraction t (capacity ≥
+    t·w·D, t ≤ 1), then maximises the SLO goodput Σ w·served tokens/s with every key served at least
+    `fairness`·t·w of its demand, then minimises cost at what each key got; "maxmin" maximises t and then
+    minimises cost at t; "scaled" scales all demand by the largest multiple of `scale_step` that is feasible
+    (the paper's protocol) and minimises cost there. With `running` (a previous plan or {(template id, region):
+    count}), starting an instance costs K·price extra (K = scenario.init_penalty_k).
+
+    `time_limit` holds for the whole call (stages share what is left). A stage that runs out of time keeps its
+    incumbent; when a later stage finds nothing, the plan of the stage before it is returned (noted in the
+    report). Only the cost mode raises, when no plan meets the demand; "maxmin" and "scaled" raise when t = 0."""
+    if mode not in MODES:
+        raise CoralInputError(f"mode: must be one of {', '.join(MODES)}, not {mode!r}")
     if not 0 < scale_step <= 1:
         raise CoralInputError("scale_step: must be in (0, 1]")
+    if not 0 <= fairness <= 1:
+        raise CoralInputError("fairness: must be in [0, 1]")
+    deadline = time.perf_counter() + time_limit
     ctx = _context(library, scenario, demand, availability, catalog, running, reduce)
+
+    def left(stages: int) -> float:
+        return max(0.05, (deadline - time.perf_counter()) / stages)
+
+    ones = np.ones(len(ctx.demand))
     if mode == "cost":
-        out, layout = _solve_cost(ctx, 1.0, None, time_limit, gap)
-        if out.x is None:
-            mm, mm_layout, t = _solve_maxmin(ctx, np.ones(len(ctx.demand)), time_limit, gap)
-            raise diagnose(ctx, mm, mm_layout, t)
-        return _plan(ctx, out, layout, "cost", _report(ctx, out), method)
-    weights = ctx.weights if mode == "goodput" else np.ones(len(ctx.demand))
-    mm, mm_layout, t = _solve_maxmin(ctx, weights, time_limit / 2, gap)
-    stage1 = f"stage 1 (max-min served fraction): t = {t:.6g}, {mm.status}, {mm.time_s:.3f} s"
-    if mode == "scaled":
-        t = 1.0 if t >= 1 - 1e-9 else math.floor(t / scale_step + 1e-9) * scale_step
+        cost = _solve_cost(ctx, 1.0, None, left(1), gap)
+        if cost.out.x is None:
+            mm = _solve_served(ctx, "maxmin", ones, None, left(1), gap)
+            raise diagnose(ctx, mm.out, mm.layout, _uniform(ctx, mm, ones))
+        return _plan(ctx, cost.out, cost.layout, "cost", _report(ctx, cost.out), method)
+    weights = ones if mode == "scaled" else ctx.weights
+    mm = _solve_served(ctx, "maxmin", weights, None, left(3 if mode == "goodput" else 2), gap)
+    t = _uniform(ctx, mm, weights)
+    notes = [f"stage 1 (max-min served fraction): t = {t:.6g}, {mm.out.status}, {mm.out.time_s:.3f} s"]
+    source, scale, spent = mm, 1.0, mm.out.time_s
+    if (mm.served >= 1 - 1e-9).all():
+        fraction: float | np.ndarray = 1.0
+        cost_weights = None
+    elif mode == "scaled":
+        scale = math.floor(t / scale_step + 1e-9) * scale_step
+        if scale <= 0:
+            raise diagnose(ctx, mm.out, mm.layout, t)
+        fraction, cost_weights = scale, None
+        notes.append(f"demand scale {scale:.4g}")
+    elif mode == "maxmin":
         if t <= 0:
-            raise diagnose(ctx, mm, mm_layout, t)
-        out, layout = _solve_cost(ctx, t, None, time_limit / 2, gap)
-        if out.x is None:
-            raise diagnose(ctx, mm, mm_layout, t)
-        return _plan(ctx, out, layout, "scaled", _report(ctx, out, mm.time_s, [stage1, f"demand scale {t:.4g}"]),
-                     method, scale=t)
-    if t >= 1 - 1e-9 and (weights >= 1).all():
-        out, layout = _solve_cost(ctx, 1.0, None, time_limit / 2, gap)
+            raise diagnose(ctx, mm.out, mm.layout, t)
+        fraction, cost_weights = t * (1 - 1e-9), weights
     else:
-        if t <= 0:
-            raise diagnose(ctx, mm, mm_layout, t)
-        out, layout = _solve_cost(ctx, t * (1 - 1e-9), weights, time_limit / 2, gap)
-    if out.x is None:
-        raise diagnose(ctx, mm, mm_layout, t)
-    return _plan(ctx, out, layout, "goodput", _report(ctx, out, mm.time_s, [stage1]), method)
+        gp = _solve_served(ctx, "goodput", weights, fairness * t * weights, left(2), gap, prev=mm)
+        spent += gp.out.time_s
+        notes.append(f"stage 2 (SLO goodput, floor {fairness:g}·t per model): {_served_words(ctx, gp.served)}, "
+                     f"{gp.out.status}, {gp.out.time_s:.3f} s")
+        if gp.out.x is not None:
+            source = gp
+        fraction, cost_weights = source.served * (1 - 1e-9), None
+    cost = _solve_cost(ctx, fraction, cost_weights, left(1), gap, prev=source)
+    if cost.out.x is None:
+        if source.out.x is None:
+            raise diagnose(ctx, mm.out, mm.layout, t)
+        notes.append(f"cost stage found no plan in time ({cost.out.status}): the previous stage's plan is kept")
+        cost = source
+    return _plan(ctx, cost.out, cost.layout, mode, _report(ctx, cost.out, spent, notes), method, scale=scale)
+
+
+def _uniform(ctx: _Context, stage: _Stage, weights: np.ndarray) -> float:
+    """The uniform weighted share a stage reaches: min over keys with demand of served / w, at most 1."""
+    pos = ctx.demand > 0
+    return float(min(1.0, (stage.served[pos] / weights[pos]).min(initial=1.0)))
+
+
+def _served_words(ctx: _Context, served: np.ndarray) -> str:
+    total = float(ctx.demand.sum())
+    got = float((served * ctx.demand).sum())
+    return f"{got / total if total else 1.0:.1%} of demand served, least {served.min(initial=1.0):.1%}"

@@ -13,29 +13,37 @@ to use dearer regions or other shapes. The built-in "scarce" experiments use f =
 
 from __future__ import annotations
 
+import json
 import math
 
-from coral.catalog.loader import Catalog, builtin_catalog
+from coral.catalog.loader import Catalog, market_catalog
 from coral.catalog.schema import Scenario
 from coral.templates.library import TemplateLibrary
 
 
 def estimated_nodes(scenario: Scenario, library: TemplateLibrary, catalog: Catalog | None = None) -> dict[str, int]:
-    """Nodes per config in the cost-optimal plan with unlimited availability (E_c above)."""
+    """Nodes per config in the cost-optimal plan with unlimited availability (E_c above). Memoised per library
+    object, scenario and prices: a re-planner resolving availability every epoch solves it once."""
     from coral.allocation.allocator import UNLIMITED, allocate
 
-    plan = allocate(library, scenario, availability=UNLIMITED, catalog=catalog, time_limit=30.0, gap=1e-6)
-    out: dict[str, int] = {}
-    for inst in plan.instances:
-        for cfg, n in inst.counts.items():
-            out[cfg] = out.get(cfg, 0) + n
-    return out
+    catalog = catalog or market_catalog(scenario)
+
+    def make() -> dict[str, int]:
+        plan = allocate(library, scenario, availability=UNLIMITED, catalog=catalog, time_limit=30.0, gap=1e-6)
+        out: dict[str, int] = {}
+        for inst in plan.instances:
+            for cfg, n in inst.counts.items():
+                out[cfg] = out.get(cfg, 0) + n
+        return out
+
+    prices = json.dumps({r: catalog.prices(r) for r in scenario.regions}, sort_keys=True)
+    return dict(library.memo(("estimated_nodes", scenario.model_dump_json(), prices), make))
 
 
 def headroom_availability(scenario: Scenario, estimate: dict[str, int], factor: float,
                           catalog: Catalog | None = None) -> dict[str, dict[str, int]]:
     """A[r][c] = ceil(factor · E_c / |R_c|) over the regions R_c offering c."""
-    catalog = catalog or builtin_catalog()
+    catalog = catalog or market_catalog(scenario)
     offered = {r: catalog.prices(r) for r in scenario.regions}
     out: dict[str, dict[str, int]] = {r: {} for r in scenario.regions}
     for cfg in scenario.configs:

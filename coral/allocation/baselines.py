@@ -34,7 +34,7 @@ from coral.allocation import core, milp
 from coral.allocation.allocator import UNLIMITED, Mode, _keys_and_demand, allocate
 from coral.allocation.demand import DemandKey
 from coral.allocation.plan import Plan, SolveReport
-from coral.catalog.loader import Catalog, CoralInputError, builtin_catalog
+from coral.catalog.loader import Catalog, CoralInputError, market_catalog
 from coral.catalog.schema import Scenario
 from coral.perf.model import Phase
 from coral.templates.library import TemplateLibrary
@@ -46,7 +46,7 @@ MAX_DECODE_PER_PREFILL = 16
 def _setup(library: TemplateLibrary, scenario: Scenario, demand: Mapping[DemandKey, float] | None,
            availability: core.Availability | str | None, catalog: Catalog | None
            ) -> tuple[list[DemandKey], np.ndarray, core.Market]:
-    catalog = catalog or builtin_catalog()
+    catalog = catalog or market_catalog(scenario)
     keys, dem = _keys_and_demand(scenario, demand)
     if availability is None:
         from coral.allocation.availability import resolve_availability
@@ -100,7 +100,7 @@ def homo_ilp(library: TemplateLibrary, scenario: Scenario, *, demand: Mapping[De
     `allocate` in cost mode. Availability defaults to the scenario's, resolved with the full library."""
     from coral.allocation.availability import resolve_availability
 
-    catalog = catalog or builtin_catalog()
+    catalog = catalog or market_catalog(scenario)
     if availability is None:
         availability = resolve_availability(scenario, library, catalog)
     rows = homogeneous_rows(library)

@@ -30,12 +30,13 @@ from itertools import pairwise
 import numpy as np
 from pydantic import ValidationError
 
-from coral.allocation.reductions import undominated, vector_dominated
+from coral.allocation.reductions import vector_dominated
 from coral.catalog.loader import Catalog, CoralInputError
 from coral.catalog.schema import ScenarioModel
 from coral.perf.model import Phase, Workload
 from coral.perf.roofline import PerfParams, RooflineModel
 from coral.templates.build import bottleneck
+from coral.templates.dominance import undominated
 from coral.templates.library import TemplateLibrary
 from coral.workload.traces import SHIPPED_TRACES, load_trace, shipped_path
 

@@ -4,17 +4,17 @@
 from __future__ import annotations
 
 import math
-import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from typing import Literal
 
 import numpy as np
 
 from coral.allocation.classes import KeyClasses
 from coral.allocation.demand import DemandKey
 from coral.allocation.plan import ModelServing, Plan, PlanClass, PlanInstance, SolveReport
-from coral.allocation.reductions import pareto_columns, undominated
+from coral.allocation.reductions import pareto_columns
 from coral.allocation.solver import Problem
 from coral.catalog.loader import Catalog, CoralInputError
 from coral.catalog.schema import Scenario
@@ -22,7 +22,6 @@ from coral.perf.model import Phase
 from coral.templates.library import TemplateLibrary
 
 Availability = Mapping[str, Mapping[str, int]]
-_KEY_ROWS: dict[int, dict[tuple[str, str, bool], tuple[np.ndarray, np.ndarray]]] = {}
 Running = Mapping[tuple[int, str], int]
 GREEDY_PER_GROUP = 64
 
@@ -104,19 +103,16 @@ def running_counts(running: Plan | Running | None, library: TemplateLibrary) -> 
 
 def key_rows(library: TemplateLibrary, model: str, phase: str, homogeneous: bool) -> tuple[np.ndarray, np.ndarray]:
     """(usable rows, undominated rows) of one (model, phase): positive throughput, single-config when
-    `homogeneous`. Memoised per library object: neither depends on demand, prices or availability."""
-    cache = _KEY_ROWS.get(id(library))
-    if cache is None:
-        cache = _KEY_ROWS[id(library)] = {}
-        weakref.finalize(library, _KEY_ROWS.pop, id(library), None)
-    key = (model, phase, homogeneous)
-    if key not in cache:
+    `homogeneous` (the sub-multisets of a single-config template are single-config, so the library's dominance
+    flags hold among them too). Memoised per library object: neither depends on demand, prices or availability."""
+    def make() -> tuple[np.ndarray, np.ndarray]:
         rows = library.select(model, phase)
         rows = rows[library.throughput[rows] > 0]
         if homogeneous:
             rows = rows[(library.counts[rows] > 0).sum(axis=1) == 1]
-        cache[key] = (rows, rows[undominated(library.counts[rows], library.throughput[rows])])
-    return cache[key]
+        return rows, rows[~library.dominated[rows]]
+
+    return library.memo(("key_rows", model, phase, homogeneous), make)
 
 
 def make_columns(
@@ -214,7 +210,7 @@ class Layout:
 
     n_x: int
     penalty_of: np.ndarray  # column index of I_j for every running x column j
-    t_col: int | None
+    t_col: int | None  # the max-min objective's t
     demand_rows: dict[int, int]  # key -> row (keys without classes)
     avail_rows: list[tuple[int, int]]
     n_vars: int
@@ -223,6 +219,7 @@ class Layout:
     share_start: int = 0  # share variables s (column j, class c) from here on
     share_parent: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     share_class: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    served_col: dict[int, int] = field(default_factory=dict)  # key -> its served fraction f_k (goodput)
 
 
 def assemble(
@@ -231,26 +228,30 @@ def assemble(
     demand: np.ndarray,
     *,
     penalty_k: float | None,
-    maxmin_weights: np.ndarray | None = None,
-    min_fraction: float | None = None,
+    objective: Literal["cost", "maxmin", "goodput"] = "cost",
+    weights: np.ndarray | None = None,
+    min_fraction: float | np.ndarray | None = None,
 ) -> tuple[Problem, Layout]:
-    """The MILP of `cols`. Cost objective unless `maxmin_weights` is given (then max t with capacity ≥ t·w·D).
-    `min_fraction` requires capacity ≥ min_fraction·w·D in the cost objective (the goodput mode's second
-    stage); `penalty_k` None disables the scale-up penalty.
+    """The MILP of `cols` (w = `weights`, default 1; `min_fraction` a number or one per key, default 1):
+    "cost" min $/h (+ scale-up penalty; `penalty_k` None disables it) with capacity ≥ min_fraction·w·D;
+    "maxmin" max t ≤ 1 with capacity ≥ t·w·D; "goodput" max the weighted tokens/s served Σ w·f·D / Σ D over
+    served fractions f_k ∈ [min_fraction_k, 1] with capacity ≥ f_k·D (a key's floor row f_k ≥ min_fraction_k
+    is feasible by the phase-one pricing of the solver whenever some solution is).
 
     A key with request classes (`cols.split`) has one demand row per class, and every column j of it a share
     variable s_jc ≥ 0 per class it can run (T_jc > 0): Σ_c s_jc ≤ x_j and Σ_j T_jc s_jc ≥ split_c·D."""
     n = len(cols)
-    maxmin = maxmin_weights is not None
-    weights = maxmin_weights if maxmin_weights is not None else np.ones(len(demand))
+    maxmin = objective != "cost"  # capacity rows against a served-fraction variable, no artificial slack
+    weights = weights if weights is not None else np.ones(len(demand))
     k_pen = penalty_k or 0.0
     running = np.flatnonzero(cols.running > 0) if k_pen > 0 and not maxmin else np.zeros(0, dtype=np.int64)
     n_pen = len(running)
     keys = [k for k in range(len(demand)) if demand[k] > 0]
     items = [(k, c) for k in keys for c in (range(len(cols.split[k])) if k in cols.split else [-1])]
-    t_col = n + n_pen if maxmin else None
+    t_col = n + n_pen if objective == "maxmin" else None
+    served_col = {k: n + n_pen + i for i, k in enumerate(keys)} if objective == "goodput" else {}
     n_slack = 0 if maxmin else len(items)
-    share_start = n + n_pen + (1 if maxmin else 0) + n_slack
+    share_start = n + n_pen + (1 if t_col is not None else 0) + len(served_col) + n_slack
     on_class = np.isin(cols.key, list(cols.split)) if cols.split else np.zeros(n, dtype=bool)
     if cols.class_thr is not None:
         share_parent, share_class = np.nonzero((cols.class_thr > 0) & on_class[:, None])
@@ -264,7 +265,8 @@ def assemble(
     upper: list[float] = []
     demand_rows: dict[int, int] = {}
     class_rows: dict[int, list[int]] = {}
-    target = demand * weights * (min_fraction if min_fraction is not None else 1.0)
+    floor = np.broadcast_to(np.asarray(1.0 if min_fraction is None else min_fraction, dtype=float), demand.shape)
+    target = demand * weights * floor
     rating = np.where(cols.throughput > 0, cols.throughput, np.inf)
     if cols.class_thr is not None:
         rating = np.minimum(rating, np.where(cols.class_thr > 0, cols.class_thr, np.inf).min(axis=1))
@@ -287,8 +289,8 @@ def assemble(
             ev.append(cols.class_thr[share_parent[sh], c] if cols.class_thr is not None else np.zeros(0))
         if maxmin:
             er.append(np.array([r]))
-            ec.append(np.array([t_col]))
-            ev.append(np.array([-demand[k] * weights[k] * frac]))
+            ec.append(np.array([t_col if t_col is not None else served_col[k]]))
+            ev.append(np.array([-demand[k] * frac * (weights[k] if t_col is not None else 1.0)]))
             lower.append(0.0)
         else:
             er.append(np.array([r]))
@@ -296,6 +298,12 @@ def assemble(
             ev.append(np.array([1.0]))
             lower.append(float(target[k] * frac))
             item_target.append(float(target[k] * frac))
+        upper.append(np.inf)
+    for k, col in served_col.items():  # f_k ≥ its floor
+        er.append(np.array([len(lower)]))
+        ec.append(np.array([col]))
+        ev.append(np.array([1.0]))
+        lower.append(float(min(floor[k], 1.0)))
         upper.append(np.inf)
     avail_row0 = len(lower)
     avail_rows: list[tuple[int, int]] = []
@@ -361,9 +369,12 @@ def assemble(
         for i, tgt in enumerate(item_target):
             s = n + n_pen + i
             cost[s], ub[s], artificial[s] = big, tgt, True
-    else:
-        assert t_col is not None
+    elif t_col is not None:
         cost[t_col], ub[t_col], protected[t_col] = -1.0, 1.0, True
+    else:
+        served = np.array(list(served_col.values()), dtype=np.int64)
+        cost[served] = -weights[keys] * demand[keys] / max(float(demand[keys].sum()), 1e-12)
+        ub[served], protected[served] = 1.0, True
     ub[share_start:] = ub[share_parent]
     group[share_start:] = group[share_parent]
     entry_row = np.concatenate(er) if er else np.zeros(0, dtype=np.int64)
@@ -376,7 +387,7 @@ def assemble(
     pen_of = np.full(n, -1, dtype=np.int64)
     pen_of[running] = n + np.arange(n_pen)
     return problem, Layout(n, pen_of, t_col, demand_rows, avail_rows, n_vars, class_rows, avail_row0, share_start,
-                           share_parent, share_class)
+                           share_parent, share_class, served_col)
 
 
 CUTS_PER_KEY = 6
@@ -437,6 +448,9 @@ def greedy(cols: Columns, market: Market, target: np.ndarray, order: list[int] |
         while residual > 1e-9 * max(1.0, target[k]):
             fits = (used[cols.region[idx]] + cols.counts[idx] <= market.avail[cols.region[idx]]).all(axis=1)
             fits &= x[idx] < cols.upper[idx]
+            if not fits.any() and len(idx) < int((cols.key == k).sum()):  # the short list is used up: all columns
+                idx = np.flatnonzero(cols.key == k)
+                continue
             if not fits.any():
                 if partial:
                     break
@@ -450,17 +464,25 @@ def greedy(cols: Columns, market: Market, target: np.ndarray, order: list[int] |
     return x
 
 
-def full_start(x: np.ndarray, problem: Problem, layout: Layout, cols: Columns, penalty_k: float | None) -> np.ndarray:
-    """Extend an instance vector to all variables of `problem` (penalties at their minimum, no slack)."""
+def full_start(x: np.ndarray, problem: Problem, layout: Layout, cols: Columns, penalty_k: float | None,
+               shares: np.ndarray | None = None, served: np.ndarray | None = None) -> np.ndarray:
+    """Extend an instance vector to all variables of `problem`: class shares as given (default: each instance
+    serves its key's class mix in proportion), penalties at their minimum, served fractions f_k = `served`
+    (goodput; default 0), no slack."""
     v = np.zeros(problem.n)
     v[:layout.n_x] = x
-    if len(layout.share_parent) and cols.class_thr is not None:  # each instance serves the mix in proportion
+    if shares is not None:
+        v[layout.share_start:] = shares
+    elif len(layout.share_parent) and cols.class_thr is not None:
         j, c = layout.share_parent, layout.share_class
         split = np.array([cols.split[int(k)][int(ci)] for k, ci in zip(cols.key[j], c, strict=True)])
         v[layout.share_start:] = np.where(cols.throughput[j] > 0,
                                           x[j] * cols.throughput[j] * split / cols.class_thr[j, c], 0.0)
     run = np.flatnonzero(layout.penalty_of >= 0)
     v[layout.penalty_of[run]] = (penalty_k or 0.0) * cols.cost[run] * np.maximum(0.0, x[run] - cols.running[run])
+    if served is not None:
+        for k, col in layout.served_col.items():
+            v[col] = min(1.0, float(served[k]))
     return v
 
 

@@ -123,6 +123,7 @@ def solve(
     h.passModel(lp)
     h.run()
     status = h.modelStatusToString(h.getModelStatus())
+    status = "Optimal" if status == "Empty" else status  # no columns or rows: the zero point is optimal
     info = h.getInfo()
     solution = h.getSolution()
     has_x = bool(solution.value_valid) and info.primal_solution_status == 2

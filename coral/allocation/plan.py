@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
@@ -13,6 +13,11 @@ from pydantic import BaseModel, ConfigDict, Field
 from coral.catalog.loader import load_file
 
 PLAN_SCHEMA_VERSION = 1
+
+SAFE_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:+-]{0,127}$"
+SafeName = Annotated[str, Field(pattern=SAFE_NAME_PATTERN)]
+"""Ids and names rendered into scripts, manifests and metric labels: 1-128 characters, a letter or digit first,
+then letters, digits and `. _ : + -` (no whitespace, quotes or shell metacharacters)."""
 
 
 class _PlanModel(BaseModel):
@@ -22,7 +27,7 @@ class _PlanModel(BaseModel):
 class PlanStage(_PlanModel):
     first_layer: int = Field(ge=0)
     layers: int = Field(gt=0)
-    nodes: list[str] = Field(min_length=1, description="node config per data-parallel node of the stage")
+    nodes: list[SafeName] = Field(min_length=1, description="node config per data-parallel node of the stage")
     node_throughput: list[float] = Field(description="tokens/s each node sustains under the SLO (router weights)")
 
 
@@ -39,12 +44,12 @@ class PlanClass(_PlanModel):
 class PlanInstance(_PlanModel):
     """One serving instance: a template instantiated once in one region."""
 
-    id: str = Field(description="stable id, e.g. 'qwen3-32b.prefill.t412.aws-us-east-2.0'")
-    model: str
+    id: SafeName = Field(description="stable id, e.g. 'qwen3-32b.prefill.t412.aws-us-east-2.0'")
+    model: SafeName
     phase: Literal["prefill", "decode"]
     template_id: int
-    region: str
-    counts: dict[str, int] = Field(description="nodes per config")
+    region: SafeName
+    counts: dict[SafeName, int] = Field(description="nodes per config")
     stages: list[PlanStage]
     throughput: float = Field(gt=0, description="tokens/s under the SLO")
     cost_per_hour: float = Field(ge=0)
@@ -103,6 +108,31 @@ class ModelServing(_PlanModel):
     capacity: float = Field(ge=0, description="tokens/s planned")
     served_fraction: float = Field(ge=0, le=1, description="min(1, capacity/demand)")
     cost_per_hour: float = Field(ge=0)
+    traffic_tokens_s: float | None = Field(
+        default=None, ge=0, description="mean tokens/s of the traffic the demand was sized from (demand / this = "
+        "the headroom planned for bursts); None when not recorded")
+
+    @property
+    def headroom(self) -> float | None:
+        """Planned capacity asked for ÷ mean traffic (None when the traffic was not recorded)."""
+        return self.demand / self.traffic_tokens_s if self.traffic_tokens_s else None
+
+
+class SloCheck(_PlanModel):
+    """Simulated SLO attainment of a plan per model (both TTFT and TPOT met) against its target: on the requests
+    the planner tuned on, and on held-out requests (other trace segments) it never saw."""
+
+    target: dict[str, float] = Field(description="per model: the fraction of requests that must meet both SLOs")
+    tuned: dict[str, float] = Field(description="per model: attainment on the tuning requests")
+    held_out: dict[str, float] = Field(default_factory=dict,
+                                       description="per model: least attainment over the held-out request sets")
+    held_out_seeds: list[int] = Field(default_factory=list, description="workload seeds of the held-out sets")
+    duration_s: float = Field(gt=0, description="simulated seconds per request set")
+    verdict: dict[str, str] = Field(default_factory=dict,
+                                    description="per model: 'pass', or 'fail: ' and why, with what would meet it")
+
+    def passed(self, model: str) -> bool:
+        return self.verdict.get(model, "").startswith("pass")
 
 
 class SolveReport(_PlanModel):
@@ -139,7 +169,7 @@ class Plan(_PlanModel):
     schema_version: Literal[1] = 1
     scenario: str
     method: str = Field(description="coral | homo | cauchy | ...")
-    mode: Literal["cost", "goodput", "scaled"] = "cost"
+    mode: Literal["cost", "goodput", "maxmin", "scaled"] = "cost"
     engine: Literal["coral", "vllm"] = Field(
         default="coral", description="engine the plan was restricted to: coral runs every template, vllm only "
         "what stock vLLM launches"
@@ -152,6 +182,8 @@ class Plan(_PlanModel):
     cost_per_hour: float = Field(ge=0, description="provisioning $/h")
     penalty_per_hour: float = Field(default=0.0, ge=0, description="amortised scale-up penalty $/h")
     solve: SolveReport
+    slo: SloCheck | None = Field(default=None, description="simulated SLO attainment against each model's target "
+                                 "(None: not checked)")
     created_at: str = ""
 
     def class_of(self, model: str, input_tokens: float) -> str | None:

@@ -1,5 +1,8 @@
 """Lossless reductions of the allocation problem, applied before the MILP is built.
 
+Reductions 1 and 2 depend on the library alone: they are computed when the library is built and stored as its
+`dominated` column (`coral.templates.dominance.undominated`); the allocator reads them.
+
 1. Identical node counts within one (model, phase): keep the template with the most throughput.
 2. Dominance: template i is dropped when another template j of the same (model, phase) uses no more of every
    node config (a proper sub-multiset of i's nodes) and gives no less throughput. Any solution using i stays
@@ -9,8 +12,8 @@
    regardless: swapping them out could add a scale-up penalty.
 3. Columns (template, region) whose configs are not all offered in the region, or that do not fit the region's
    availability even once, are dropped (they can only be zero).
-The sub-multiset test is exact and fast because templates have at most n_max nodes: for every vector v in the
-downward closure of the library, f(v) = best throughput of a template <= v is computed level by level.
+4. Within one (key, region), columns another column beats on cost, throughput and scarce nodes
+   (`pareto_columns`, a sort-filter skyline).
 """
 
 from __future__ import annotations
@@ -18,117 +21,46 @@ from __future__ import annotations
 import numpy as np
 
 
-def _keys(counts: np.ndarray, base: int) -> np.ndarray:
-    weights = base ** np.arange(counts.shape[1], dtype=np.int64)
-    return counts.astype(np.int64) @ weights
-
-
-def undominated(counts: np.ndarray, throughput: np.ndarray, keep: np.ndarray | None = None) -> np.ndarray:
-    """Boolean mask of rows that survive reductions 1 and 2 (rows in `keep` always survive).
-
-    `counts` (N, C) node counts, `throughput` (N,), all rows of one (model, phase)."""
-    n = len(throughput)
-    out = np.zeros(n, dtype=bool)
-    if n == 0:
-        return out
-    counts = counts.astype(np.int64)
-    base = int(counts.max()) + 1
-    if counts.shape[1] * np.log2(max(base, 2)) > 62:
-        return _undominated_pairwise(counts, throughput, keep)
-    keys = _keys(counts, base)
-    weights = base ** np.arange(counts.shape[1], dtype=np.int64)
-    # 1. identical vectors: the best throughput wins (lowest index on ties)
-    order = np.lexsort((np.arange(n), -throughput, keys))
-    first = np.ones(n, dtype=bool)
-    first[1:] = keys[order][1:] != keys[order][:-1]
-    winners = order[first]
-    ukeys, ucounts, uthr = keys[winners], counts[winners], throughput[winners]
-    size = ucounts.sum(axis=1)
-    top = int(size.max())
-    # downward closure, level by level from the top
-    level_keys: list[np.ndarray] = [np.zeros(0, dtype=np.int64)] * (top + 1)
-    level_counts: list[np.ndarray] = [np.zeros((0, counts.shape[1]), dtype=np.int64)] * (top + 1)
-    carry_k, carry_c = np.zeros(0, dtype=np.int64), np.zeros((0, counts.shape[1]), dtype=np.int64)
-    for k in range(top, -1, -1):
-        sel = size == k
-        ks = np.concatenate([ukeys[sel], carry_k])
-        cs = np.concatenate([ucounts[sel], carry_c])
-        ks, idx = np.unique(ks, return_index=True)
-        cs = cs[idx]
-        level_keys[k], level_counts[k] = ks, cs
-        child_k, child_c = [], []
-        for c in range(counts.shape[1]):
-            has = cs[:, c] > 0
-            if has.any():
-                child_k.append(ks[has] - weights[c])
-                cc = cs[has].copy()
-                cc[:, c] -= 1
-                child_c.append(cc)
-        carry_k = np.concatenate(child_k) if child_k else np.zeros(0, dtype=np.int64)
-        carry_c = np.concatenate(child_c) if child_c else np.zeros((0, counts.shape[1]), dtype=np.int64)
-    # f(v) bottom-up; sub(v) = best throughput over proper sub-multisets (ukeys is sorted)
-    f_prev = np.zeros(0)
-    sub = np.zeros(len(ukeys))
-    for k in range(top + 1):
-        ks, cs = level_keys[k], level_counts[k]
-        best_sub = np.zeros(len(ks))
-        if k > 0:
-            for c in range(counts.shape[1]):
-                where = np.flatnonzero(cs[:, c] > 0)
-                if len(where):
-                    child = np.searchsorted(level_keys[k - 1], ks[where] - weights[c])
-                    np.maximum.at(best_sub, where, f_prev[child])
-        pos = np.clip(np.searchsorted(ukeys, ks), 0, len(ukeys) - 1)
-        in_lib = ukeys[pos] == ks
-        own_thr = np.where(in_lib, uthr[pos], 0.0)
-        f_prev = np.maximum(best_sub, own_thr)
-        sub[pos[in_lib]] = best_sub[in_lib]
-    dominated = sub >= uthr
-    out[winners[~dominated]] = True
-    if keep is not None:
-        out |= keep
-    return out
-
-
-def _undominated_pairwise(counts: np.ndarray, throughput: np.ndarray, keep: np.ndarray | None) -> np.ndarray:
-    """Same relation by direct comparison (for very wide count vectors)."""
-    n = len(throughput)
-    out = np.ones(n, dtype=bool)
-    for i in range(n):
-        le = (counts <= counts[i]).all(axis=1) & (throughput >= throughput[i])
-        strict = (counts < counts[i]).any(axis=1) | (throughput > throughput[i]) | (np.arange(n) < i)
-        le[i] = False
-        if (le & strict).any():
-            out[i] = False
-    if keep is not None:
-        out |= keep
-    return out
-
-
 def pareto_columns(group: np.ndarray, cost: np.ndarray, throughput: np.ndarray, usage: np.ndarray,
-                   keep: np.ndarray, chunk: int = 128) -> np.ndarray:
+                   keep: np.ndarray, block: int = 256) -> np.ndarray:
     """Boolean mask of columns not dominated within their `group` (one demand key and region), reduction 4:
     column j is dropped when a column i of the same group costs no more, gives no less throughput (every column
     of the 2-D `throughput`, i.e. every request class) and uses no more nodes of every scarce config (`usage`:
-    node counts, zero where availability is unlimited). Replacing j by i keeps any solution feasible and no dearer (an instance
-    count above ⌈D/T_i⌉ is never needed), so the optimum survives; ties keep the lowest index. Columns in `keep`
-    (running) are neither dropped nor used as dominators (their cost differs by the scale-up penalty)."""
-    thr = throughput.reshape(len(cost), -1)
+    node counts, zero where availability is unlimited). Replacing j by i keeps any solution feasible and no
+    dearer (an instance count above ⌈D/T_i⌉ is never needed), so the optimum survives; ties keep the lowest
+    index. Columns in `keep` (running) are neither dropped nor used as dominators (their cost differs by the
+    scale-up penalty).
+
+    Sort-filter skyline: in the order (group, cost ↑, Σ throughput ↓, Σ usage ↑, index ↑) every dominator comes
+    before what it dominates, so j is dropped exactly when an earlier column of its group weakly dominates it,
+    and (dominance being transitive) when an earlier *kept* one does. With one rating and no scarce usage that
+    is a running maximum of throughput (n log n); otherwise each block of `block` columns is compared with the
+    group's kept columns so far and with the block's earlier columns."""
+    thr = throughput.reshape(len(cost), -1).astype(float)
+    use = usage.reshape(len(cost), -1)
     out = np.ones(len(cost), dtype=bool)
-    for g in np.unique(group):
-        idx = np.flatnonzero((group == g) & ~keep)
-        if len(idx) < 2:
+    cand = np.flatnonzero(~keep)
+    order = cand[np.lexsort((cand, use[cand].sum(axis=1), -thr[cand].sum(axis=1), cost[cand], group[cand]))]
+    g = group[order]
+    starts = np.flatnonzero(np.r_[True, g[1:] != g[:-1]])
+    for lo, hi in zip(starts, np.r_[starts[1:], len(order)], strict=True):
+        idx = order[lo:hi]
+        u = use[idx][:, (use[idx] > 0).any(axis=0)]
+        if thr.shape[1] == 1 and not u.shape[1]:
+            best = np.maximum.accumulate(thr[idx, 0])
+            out[idx[1:]] = thr[idx[1:], 0] > best[:-1]
             continue
-        c, t, u = cost[idx], thr[idx], usage[idx]
-        for s in range(0, len(idx), chunk):
-            j = np.arange(s, min(s + chunk, len(idx)))
-            le = ((c[None, :] <= c[j, None]) & (t[None, :, :] >= t[j, None, :]).all(axis=2)
-                  & (u[None, :, :] <= u[j, None, :]).all(axis=2))
-            strict = ((c[None, :] < c[j, None]) | (t[None, :, :] > t[j, None, :]).any(axis=2)
-                      | (u[None, :, :] < u[j, None, :]).any(axis=2) | (np.arange(len(idx))[None, :] < j[:, None]))
-            dom = le & strict
-            dom[np.arange(len(j)), j] = False
-            out[idx[j[dom.any(axis=1)]]] = False
+        c, t = cost[idx], thr[idx]
+        front = np.zeros(0, dtype=np.int64)  # positions in idx of the columns kept so far
+        for s in range(0, len(idx), block):
+            j = np.arange(s, min(s + block, len(idx)))
+            earlier = np.concatenate([front, j])
+            dom = ((c[earlier][None, :] <= c[j][:, None]) & (t[earlier][None] >= t[j][:, None]).all(axis=2)
+                   & (u[earlier][None] <= u[j][:, None]).all(axis=2))
+            dom &= (earlier[None, :] < j[:, None])
+            alive = ~dom.any(axis=1)
+            out[idx[j]] = alive
+            front = np.concatenate([front, j[alive]])
     return out
 
 

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Mapping
+from typing import Literal
 
 import numpy as np
 
 from coral.allocation import milp
 from coral.allocation.classes import class_ratings, demand_split, model_classes
-from coral.allocation.demand import scenario_demand
-from coral.catalog.loader import Catalog, builtin_catalog
+from coral.allocation.demand import DemandKey
+from coral.catalog.loader import Catalog, market_catalog
 from coral.catalog.schema import Scenario
 from coral.templates.library import TemplateLibrary
 from coral.templates.placement import all_placements
@@ -57,19 +58,29 @@ def joint_cost(tables: np.ndarray, n_max: int, prices: list[dict[int, float]], a
 
 
 
-def plain_cost(library: TemplateLibrary, scenario: Scenario, availability: Mapping[str, Mapping[str, int]] | None,
-               catalog: Catalog | None = None, time_limit: float = 300.0) -> float | None:
-    """Optimal $/h of the allocation written out directly, for checking the pipeline on real libraries: one
-    integer count per (usable template, region offering all its configs) and, for a (model, phase) with request
-    classes, one continuous share per (count, class), with demand, share and availability rows; no reductions,
-    cuts, column generation or warm start; HiGHS at gap 1e-9. None when infeasible."""
-    catalog = catalog or builtin_catalog()
+def plain_solve(library: TemplateLibrary, scenario: Scenario, availability: Mapping[str, Mapping[str, int]] | None,
+                catalog: Catalog | None = None, time_limit: float = 300.0, *,
+                demand: Mapping[DemandKey, float] | None = None, fraction: float | Mapping[DemandKey, float] = 1.0,
+                objective: Literal["cost", "maxmin", "goodput"] = "cost",
+                weights: Mapping[DemandKey, float] | None = None) -> milp.MilpResult:
+    """The allocation written out directly, for checking the pipeline: one integer count per (usable template,
+    region offering all its configs) and, for a (model, phase) with request classes, one continuous share per
+    (count, class), with demand, share and availability rows; no reductions, cuts, column generation or warm
+    start; HiGHS at gap 1e-9. `demand`: capacity to plan per (model, phase) (default: the scenario's).
+
+    Objectives: "cost" min $/h with capacity ≥ fraction · D per key (`fraction` a number or per key); "maxmin"
+    max t ≤ 1 with capacity ≥ t · w · D (the result's objective is −t); "goodput" max Σ w · f · D over served
+    fractions f ∈ [fraction, 1] per key with capacity ≥ f · D (objective −Σ w f D). `weights` default 1."""
+    from coral.allocation.allocator import _keys_and_demand
+
+    catalog = catalog or market_catalog(scenario)
     models = {sm.model: sm for sm in scenario.models}
+    keys, planned = _keys_and_demand(scenario, demand)
     ints: list[tuple[int, int]] = []  # (template, region)
     cost: list[float] = []
-    keys: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # (integer columns, ratings (n, K), class demand)
-    for (m, phase), d in scenario_demand(scenario).items():
-        d /= scenario.target_utilization.of(str(phase))
+    parts: list[tuple[DemandKey, np.ndarray, np.ndarray, np.ndarray]] = []  # key, columns, ratings (n, K), split
+    for key, d in zip(keys, planned.tolist(), strict=True):
+        m, phase = key
         rows = library.select(m, phase)
         rows = rows[library.throughput[rows] > 0]
         if d <= 0 or not len(rows):
@@ -87,21 +98,36 @@ def plain_cost(library: TemplateLibrary, scenario: Scenario, availability: Mappi
             rat_all.append(ratings[ok])
             ints.extend((int(t), r) for t in rows[ok])
             cost.extend((library.counts[rows[ok]] * np.where(np.isfinite(price), price, 0.0)).sum(axis=1).tolist())
-        keys.append((np.concatenate(idx_all), np.concatenate(rat_all), d * demand_split(cls, phase)))
+        parts.append((key, np.concatenate(idx_all), np.concatenate(rat_all), d * demand_split(cls, phase)))
     n_int = len(ints)
-    n = n_int + sum(len(i) * len(dem) for i, _, dem in keys if len(dem) > 1)
+    n_share = sum(len(i) * len(dem) for _, i, _, dem in parts if len(dem) > 1)
+    n_served = 0 if objective == "cost" else 1 if objective == "maxmin" else len(parts)
+    n = n_int + n_share + n_served
+    full_cost = np.concatenate([np.array(cost), np.zeros(n - n_int)]) if objective == "cost" else np.zeros(n)
+    low, high = np.zeros(n), np.full(n, np.inf)
+    high[:n_int] = 1e4
     rows_ = milp.SparseRows(n)
     nxt = n_int
-    for idx, ratings, dem in keys:
+    for i, (key, idx, ratings, dem) in enumerate(parts):
+        w = 1.0 if weights is None else float(weights.get(key, 1.0))
+        f = fraction if isinstance(fraction, float | int) else float(fraction.get(key, 1.0))
+        served = n_int + n_share + (0 if objective == "maxmin" else i)
+        if objective == "goodput":
+            full_cost[served] -= w * float(dem.sum())
+            low[served], high[served] = min(float(f), 1.0), 1.0
+        elif objective == "maxmin":
+            full_cost[served], high[served] = -1.0, 1.0
+        scale = w if objective == "maxmin" else 1.0
         if len(dem) == 1:
-            rows_.add(idx, ratings[:, 0], float(dem[0]), np.inf)
+            cols, vals = idx, ratings[:, 0]
+            _demand_row(rows_, cols, vals, float(dem[0]) * scale, objective == "cost", f, served)
             continue
         share = nxt + np.arange(len(idx) * len(dem)).reshape(len(idx), len(dem))
         nxt += share.size
         for c in range(len(dem)):
-            rows_.add(share[:, c], ratings[:, c], float(dem[c]), np.inf)
-        for i, j in enumerate(idx):
-            rows_.add(np.concatenate([share[i], [j]]), np.concatenate([np.ones(len(dem)), [-1.0]]), -np.inf, 0.0)
+            _demand_row(rows_, share[:, c], ratings[:, c], float(dem[c]) * scale, objective == "cost", f, served)
+        for k, j in enumerate(idx):
+            rows_.add(np.concatenate([share[k], [j]]), np.concatenate([np.ones(len(dem)), [-1.0]]), -np.inf, 0.0)
     tpl = np.array([t for t, _ in ints], dtype=np.int64)
     reg = np.array([r for _, r in ints], dtype=np.int64)
     for r, region in enumerate(scenario.regions if availability is not None else []):
@@ -110,8 +136,20 @@ def plain_cost(library: TemplateLibrary, scenario: Scenario, availability: Mappi
             if len(members):
                 cap = float((availability or {}).get(region, {}).get(cfg, 0))
                 rows_.add(members, library.counts[tpl[members], c].astype(float), -np.inf, cap)
-    full_cost = np.concatenate([np.array(cost), np.zeros(n - n_int)])
     integer = np.arange(n) < n_int
-    res = milp.solve(full_cost, np.zeros(n), np.where(integer, 1e4, np.inf), integer, rows_,
-                     time_limit=time_limit, gap=1e-9)
-    return res.objective
+    return milp.solve(full_cost, low, high, integer, rows_, time_limit=time_limit, gap=1e-9)
+
+
+def _demand_row(rows: milp.SparseRows, cols: np.ndarray, vals: np.ndarray, demand: float, fixed: bool,
+                fraction: float, served: int) -> None:
+    """Σ vals · x[cols] ≥ fraction · demand (`fixed`), or ≥ demand · x[served]."""
+    if fixed:
+        rows.add(cols, vals, fraction * demand, np.inf)
+    else:
+        rows.add(np.append(cols, served), np.append(vals, -demand), 0.0, np.inf)
+
+
+def plain_cost(library: TemplateLibrary, scenario: Scenario, availability: Mapping[str, Mapping[str, int]] | None,
+               catalog: Catalog | None = None, time_limit: float = 300.0) -> float | None:
+    """Optimal $/h of `plain_solve` at full demand; None when infeasible."""
+    return plain_solve(library, scenario, availability, catalog, time_limit).objective

@@ -125,11 +125,20 @@ def _seed(p: Problem, start: np.ndarray | None) -> np.ndarray:
 
 
 def _lp(p: Problem, cols: np.ndarray, time_limit: float) -> tuple[milp.MilpResult, np.ndarray, np.ndarray]:
-    """LP over all columns by column generation from `cols`; returns the LP, its columns and row duals."""
+    """LP over all columns by column generation from `cols`; returns the LP, its columns and row duals. When
+    the restricted LP is infeasible (its columns cannot cover a row that others could), `_phase_one` first
+    prices in columns until it is feasible; when no column set is, the LP is infeasible and the duals are
+    phase one's (positive on the rows that cannot be covered, negative on the rows that bind them)."""
     cols = np.sort(cols)
     while True:
         res = milp.solve(p.cost[cols], np.zeros(len(cols)), p.upper[cols], p.integer[cols], p.rows(cols),
                          time_limit=time_limit, relax=True)
+        if res.status == "Infeasible":
+            grown, y = _phase_one(p, cols, time_limit)
+            if y is not None or len(grown) == len(cols):
+                return res, grown, np.zeros(len(p.row_lower)) if y is None else y
+            cols = grown
+            continue
         if res.row_dual is None or res.x is None:
             return res, cols, np.zeros(len(p.row_lower))
         y = _signed(p, res.row_dual)
@@ -141,6 +150,42 @@ def _lp(p: Problem, cols: np.ndarray, time_limit: float) -> tuple[milp.MilpResul
             return res, cols, y
         add = cand[np.argsort(rc[cand])[:PRICE_BATCH]]
         cols = np.union1d(cols, add)
+
+
+def _phase_one(p: Problem, cols: np.ndarray, time_limit: float) -> tuple[np.ndarray, np.ndarray | None]:
+    """Column generation on the phase-one LP: min Σ_i s_i / scale_i with a slack s_i on every row that x = 0
+    violates (lower > 0 or upper < 0), all other costs zero. Every restricted phase-one LP is feasible by
+    construction. Returns (columns, None) once the slacks reach zero (the restricted LP over those columns is
+    feasible), or (columns, row duals) when no column prices out and a slack stays positive: then no x in the
+    bounds meets the rows, i.e. the LP over all columns is infeasible (the duals are a Farkas certificate)."""
+    low_bad = np.isfinite(p.row_lower) & (p.row_lower > 0)
+    high_bad = np.isfinite(p.row_upper) & (p.row_upper < 0)
+    bad = np.flatnonzero(low_bad | high_bad)
+    sign = np.where(low_bad[bad], 1.0, -1.0)
+    scale = np.maximum(1.0, np.abs(np.where(low_bad[bad], p.row_lower[bad], p.row_upper[bad])))
+    while True:
+        rows = p.rows(cols)
+        slack = milp.SparseRows(len(cols) + len(bad))
+        slack.rows, slack.cols, slack.vals = list(rows.rows), list(rows.cols), list(rows.vals)
+        slack.lower, slack.upper = rows.lower, rows.upper
+        slack.rows.append(bad)
+        slack.cols.append(len(cols) + np.arange(len(bad)))
+        slack.vals.append(sign)
+        n = len(cols) + len(bad)
+        upper = np.concatenate([p.upper[cols], np.full(len(bad), np.inf)])
+        res = milp.solve(np.concatenate([np.zeros(len(cols)), 1.0 / scale]), np.zeros(n), upper,
+                         np.zeros(n, dtype=bool), slack, time_limit=time_limit, relax=True)
+        if res.x is None or res.row_dual is None:
+            return cols, np.zeros(len(p.row_lower))
+        if (res.x[len(cols):] <= 1e-9 * scale).all():
+            return cols, None
+        y = _signed(p, res.row_dual)
+        rc = -np.bincount(p.entry_col, p.entry_val * y[p.entry_row], minlength=p.n)
+        rc[cols] = 0.0
+        cand = np.flatnonzero((rc < -1e-9) & (p.upper > 0))
+        if not len(cand):
+            return cols, y
+        cols = np.union1d(cols, cand[np.argsort(rc[cand])[:PRICE_BATCH]])
 
 
 def _signed(p: Problem, dual: np.ndarray) -> np.ndarray:
@@ -186,6 +231,52 @@ def rounding_cuts(p: Problem, x: np.ndarray) -> Problem | None:
                    np.concatenate([p.entry_col, *ec]), np.concatenate([p.entry_val, *ev]),
                    np.concatenate([p.row_lower, lower]), np.concatenate([p.row_upper, np.full(len(lower), np.inf)]),
                    p.protected, p.score, p.group, p.artificial, p.parent)
+
+
+def repair(p: Problem, x: np.ndarray, max_steps: int = 20_000) -> np.ndarray | None:
+    """A feasible point from the LP point `x`, or None: integer columns rounded down (which keeps every packing
+    row Σ a x ≤ U with a ≥ 0), artificial slack dropped, then, while a row is short of its lower bound, raise a
+    continuous column of it (a scale-up penalty) or buy one more unit of the integer column with the least cost
+    per unit of the row's shortfall among those that keep every upper bound. For cost problems without
+    share columns (None otherwise): the fallback incumbent when the MIP finds none in time."""
+    if (p.cost < 0).any() or (p.parent is not None and (p.parent >= 0).any()):
+        return None
+    v = np.where(p.integer, np.floor(np.asarray(x, dtype=float) + 1e-9), x)
+    v[p.artificial] = 0.0
+    v = np.clip(v, 0.0, p.upper)
+    by_row = np.argsort(p.entry_row, kind="stable")
+    row_ptr = np.searchsorted(p.entry_row[by_row], np.arange(len(p.row_lower) + 1))
+    by_col = np.argsort(p.entry_col, kind="stable")
+    col_ptr = np.searchsorted(p.entry_col[by_col], np.arange(p.n + 1))
+    ax = np.bincount(p.entry_row, p.entry_val * v[p.entry_col], minlength=len(p.row_lower))
+    scale = np.maximum(1.0, np.abs(np.where(np.isfinite(p.row_lower), p.row_lower, 0.0)))
+    for _ in range(max_steps):
+        short = np.where(np.isfinite(p.row_lower), p.row_lower - ax, 0.0) / scale
+        r = int(np.argmax(short))
+        if short[r] <= 1e-9:
+            return v if p.violation(v) <= 1e-9 else None
+        e = by_row[row_ptr[r]:row_ptr[r + 1]]
+        ok = (p.entry_val[e] > 0) & ~p.artificial[p.entry_col[e]] & (v[p.entry_col[e]] < p.upper[p.entry_col[e]])
+        cols, a = p.entry_col[e[ok]], p.entry_val[e[ok]]
+        cont = ~p.integer[cols]
+        if cont.any():
+            j, aj = int(cols[cont][0]), float(a[cont][0])
+            step = min((p.row_lower[r] - ax[r]) / aj, p.upper[j] - v[j])
+        else:
+            lens = col_ptr[cols + 1] - col_ptr[cols]
+            owner = np.repeat(np.arange(len(cols)), lens)
+            ce = by_col[np.repeat(col_ptr[cols], lens) + np.arange(int(lens.sum())) - np.repeat(np.cumsum(lens) - lens,
+                                                                                               lens)]
+            over = ax[p.entry_row[ce]] + p.entry_val[ce] > p.row_upper[p.entry_row[ce]] + 1e-9
+            fits = np.bincount(owner, over, minlength=len(cols)) == 0
+            if not fits.any():
+                return None
+            pick = np.flatnonzero(fits)[np.argmin(p.cost[cols[fits]] / a[fits])]
+            j, step = int(cols[pick]), 1.0
+        v[j] += step
+        ce = by_col[col_ptr[j]:col_ptr[j + 1]]
+        ax[p.entry_row[ce]] += step * p.entry_val[ce]
+    return None
 
 
 def packing_rows(p: Problem) -> np.ndarray:
@@ -254,10 +345,11 @@ def solve(
     x = np.zeros(p.n)
     y = np.zeros(len(p.row_lower))
     objective, bound, lp_bound, statuses, n_cols, n_rows = 0.0, 0.0, 0.0, [], 0, 0
-    for b in blocks:
+    sizes = np.array([len(b) for b in blocks], dtype=float)
+    for i, b in enumerate(blocks):
         sub, rows = subproblem(p, b)
-        left = time_limit - (time.perf_counter() - t0)
-        out = solve_block(sub, time_limit=max(0.05, left), gap=gap, start=None if start is None else start[b])
+        out = solve_block(sub, time_limit=_slice(time_limit - (time.perf_counter() - t0), sizes, i), gap=gap,
+                          start=None if start is None else start[b])
         statuses.append(out.status)
         if out.row_dual is not None:
             y[rows] = out.row_dual
@@ -310,12 +402,12 @@ def separate_optima(p: Problem, *, time_limit: float, gap: float, start: np.ndar
     todo = list(range(len(parts)))
     abs_gap: float | None = None
     while todo:
-        for i in todo:
+        sizes = np.array([len(parts[i]) for i in todo], dtype=float)
+        for pos, i in enumerate(todo):
             cols = parts[i]
             sub, _rows = subproblem(p, cols)
-            left = time_limit - (time.perf_counter() - t0)
-            out = solve_block(sub, time_limit=max(0.05, left / len(todo)), gap=gap, separate=False,
-                              start=None if start is None else start[cols], abs_gap=abs_gap)
+            out = solve_block(sub, time_limit=_slice(time_limit - (time.perf_counter() - t0), sizes, pos), gap=gap,
+                              separate=False, start=None if start is None else start[cols], abs_gap=abs_gap)
             if out.x is None or out.bound is None or not np.isfinite(out.bound):
                 return None
             x[cols] = out.x
@@ -339,6 +431,12 @@ def separate_optima(p: Problem, *, time_limit: float, gap: float, start: np.ndar
         todo = [len(parts) - 1]
         abs_gap = gap_budget(p.cost, x, parts, bounds, gap)
     return SeparateOptima(parts, x, bounds, statuses, n_cols, n_initial)
+
+
+def _slice(left: float, sizes: np.ndarray, i: int) -> float:
+    """Part i's share of the time `left` for parts i, i+1, … in proportion to their sizes (columns): a part that
+    finishes early leaves its unused time to the parts after it."""
+    return max(0.05, left * float(sizes[i] / sizes[i:].sum()))
 
 
 def gap_budget(cost: np.ndarray, x: np.ndarray, parts: list[np.ndarray], bounds: np.ndarray, gap: float) -> float:
@@ -378,15 +476,19 @@ def solve_block(
         if sep is not None:
             sep_objective = float(p.cost @ sep.x)
             sep_bound = float(sep.bounds.sum())
-            if p.violation(sep.x) <= 1e-9:
+            g = max(0.0, (sep_objective - sep_bound) / max(abs(sep_objective), 1e-9)) if sep_objective else 0.0
+            fits = p.violation(sep.x) <= 1e-9
+            if fits and (g <= gap or time.perf_counter() - t0 > 0.8 * time_limit):
                 worst = next((st for st in sep.statuses if st != "Optimal"), "Optimal")
-                g = max(0.0, (sep_objective - sep_bound) / max(abs(sep_objective), 1e-9)) if sep_objective else 0.0
                 return Outcome(worst, sep.x, sep_objective, sep_bound, g, time.perf_counter() - t0, sep.n_cols,
                                len(p.row_lower), [f"{sep.n_initial} parts solved separately ({len(sep.parts)} after "
                                                   f"merging) fit the shared rows together (bound {sep_bound:.6g})"],
                                lp_bound=sep_bound)
             separate_bound = sep_bound
-            notes.append(f"{sep.n_initial} parts solved separately overflow shared rows (bound {sep_bound:.6g})")
+            if fits:  # within the time but not the gap: the parts' plan is the warm start of the full solve
+                start = sep.x
+            notes.append(f"{sep.n_initial} parts solved separately {'fit short of the gap' if fits else 'overflow'} "
+                         f"shared rows (bound {sep_bound:.6g})")
     if not reduce:
         real = np.flatnonzero(~p.artificial)
         res = milp.solve(p.cost[real], np.zeros(len(real)), p.upper[real], p.integer[real], p.rows(real),
@@ -399,8 +501,8 @@ def solve_block(
                        res.n_cols, res.n_rows, ["reductions off"])
     n_rows = len(p.row_lower)
     lp, lp_cols, y = _lp(p, _seed(p, start), time_limit)
-    for _ in range(CUT_ROUNDS):  # tighten the LP bound with rounding cuts at the LP optimum
-        if lp.x is None:
+    for _ in range(CUT_ROUNDS):  # tighten the LP bound with rounding cuts at the LP optimum (a third of the time)
+        if lp.x is None or time.perf_counter() - t0 > time_limit / 3:
             break
         lp_x = np.zeros(p.n)
         lp_x[lp_cols] = lp.x
@@ -410,8 +512,10 @@ def solve_block(
         p = cut
         lp, lp_cols, y = _lp(p, lp_cols, time_limit)
     if lp.x is None:
-        return Outcome(lp.status, None, None, None, None, time.perf_counter() - t0, p.n, len(p.row_lower),
-                       [f"LP relaxation: {lp.status}"])
+        kept = start if lp.status != "Infeasible" else None  # out of time: the warm start is the incumbent
+        return Outcome(lp.status if kept is None else "Time limit reached (incumbent)", kept,
+                       None if kept is None else float(p.cost @ kept), None, None, time.perf_counter() - t0, p.n,
+                       len(p.row_lower), [f"LP relaxation: {lp.status}"], row_dual=y[:n_rows])
     lp_x = np.zeros(p.n)
     lp_x[lp_cols] = lp.x
     shortfall = float(lp_x[p.artificial].sum())
@@ -421,6 +525,10 @@ def solve_block(
     rc = p.reduced_costs(y)
     z = p.lagrangian_bound(y, rc)
     notes.append(f"LP bound {z:.6g} over {p.n} columns ({len(lp_cols)} generated)")
+    if start is None:  # a rounded-and-repaired LP point as the incumbent, when one is found
+        start = repair(p, lp_x)
+        if start is not None:
+            notes.append("incumbent from the LP point, rounded down and repaired")
     incumbent, ub = start, (float(p.cost @ start) if start is not None else np.inf)
     restricted = np.setdiff1d(np.union1d(lp_cols, np.flatnonzero(lp_x > 1e-9)), np.flatnonzero(p.artificial))
     if start is not None:

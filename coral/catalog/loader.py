@@ -177,8 +177,28 @@ def load_scenario(name_or_path: str | Path, catalog: Catalog | None = None) -> S
             f"scenario {name_or_path!r}: no such file and not a built-in one ({', '.join(builtin_scenarios())})"
         )
     scenario = load_file(Scenario, path)
-    check_scenario(scenario, catalog or builtin_catalog(), str(path))
+    if scenario.offerings is not None:  # resolved against the scenario's folder, so later readers find it
+        scenario = scenario.model_copy(update={"offerings": str((path.parent / scenario.offerings).resolve())})
+    check_scenario(scenario, catalog or market_catalog(scenario), str(path))
     return scenario
+
+
+def load_offerings(path: str | Path, base: Catalog | None = None) -> Catalog:
+    """`base` (default: the built-in catalog) with its offerings replaced by those of the file at `path`,
+    validated like every input file (schema, and every offering's GPU known)."""
+    base = base or builtin_catalog()
+    offers = load_file(OfferingCatalog, path)
+    for i, o in enumerate(offers.offerings):
+        if o.gpu not in base.gpus:
+            raise CoralInputError(f"{path}: offerings.{i}.gpu: unknown GPU {o.gpu!r}; known: {', '.join(sorted(base.gpus))}")
+    return base.with_offerings(list(offers.offerings))
+
+
+def market_catalog(scenario: Scenario, offerings: str | Path | None = None) -> Catalog:
+    """The catalog a scenario plans with: the built-in one with the offerings of `offerings` (e.g.
+    `--offerings FILE`), else of the scenario's `offerings` file, else the shipped offerings."""
+    path = offerings if offerings is not None else scenario.offerings
+    return builtin_catalog() if path is None else load_offerings(path)
 
 
 def check_scenario(scenario: Scenario, catalog: Catalog, source: str) -> None:

@@ -10,7 +10,7 @@ SCHEMA_VERSION = 1
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class GpuSpec(_Strict):
@@ -138,12 +138,16 @@ class ScenarioModel(_Strict):
     """A model served in a scenario, with its SLOs and workload."""
 
     model: str
-    prefill_slo_ms: float = Field(gt=0, description="time-to-first-token SLO")
-    decode_slo_ms: float = Field(gt=0, description="time-per-output-token SLO")
-    request_rate: float = Field(ge=0, description="mean requests/s")
-    mean_input_tokens: float = Field(gt=0)
-    mean_output_tokens: float = Field(gt=0)
+    prefill_slo_ms: float = Field(gt=0, le=600_000, description="time-to-first-token SLO")
+    decode_slo_ms: float = Field(gt=0, le=60_000, description="time-per-output-token SLO")
+    request_rate: float = Field(ge=0, le=100_000, description="mean requests/s")
+    mean_input_tokens: float = Field(gt=0, le=1 << 20)
+    mean_output_tokens: float = Field(gt=0, le=1 << 20)
     trace: str = Field(default="synthetic", description="trace name used by the simulator")
+    slo_attainment: float = Field(
+        default=0.9, gt=0, le=0.999,
+        description="fraction of the model's requests that must meet both its TTFT and TPOT SLOs; plans are "
+        "sized and checked for it (coral.planning)")
     priority: float = Field(default=1.0, gt=0)
     request_classes: Literal["auto", "off"] | list[RequestClass] = Field(
         default="off",
@@ -208,14 +212,14 @@ class AvailabilitySchedule(_Strict):
 
 
 class TargetUtilization(_Strict):
-    """Planned load / capacity per phase; 1 plans for demand exactly, as the paper does. The built-in scenarios
-    use prefill 0.55 / decode 0.8, which reach ~92% simulated SLO attainment on their bursty traces (prefill
-    queues grow fast past ~60% load; decode holds up to ~80%)."""
+    """An explicit override of burst-aware sizing, per phase: planned capacity = mean demand / this; 1 plans for
+    the mean exactly, as the paper does. Unset (the default), a phase's capacity comes from each model's traffic
+    and SLO-attainment target (coral.allocation.demand)."""
 
-    prefill: float = Field(default=1.0, gt=0, le=1)
-    decode: float = Field(default=1.0, gt=0, le=1)
+    prefill: float | None = Field(default=None, gt=0, le=1)
+    decode: float | None = Field(default=None, gt=0, le=1)
 
-    def of(self, phase: str) -> float:
+    def of(self, phase: str) -> float | None:
         return self.prefill if phase == "prefill" else self.decode
 
 
@@ -224,6 +228,9 @@ class Scenario(_Strict):
     name: str
     description: str = ""
     regions: list[str] = Field(min_length=1)
+    offerings: str | None = Field(
+        default=None, description="offerings file (the schema of coral/data/offerings.yaml) replacing the shipped "
+        "market for this scenario: prices, instance types, regions; relative to the scenario file")
     configs: list[str] = Field(min_length=1, description="node configs, e.g. '2xL40S'")
     models: list[ScenarioModel] = Field(min_length=1)
     availability: dict[str, dict[str, int]] | AvailabilityHeadroom = Field(
@@ -234,13 +241,25 @@ class Scenario(_Strict):
     )
     target_utilization: TargetUtilization = Field(
         default_factory=lambda: TargetUtilization(),
-        description="plan capacity = demand / this, per phase; headroom for bursts and queueing",
+        description="override: plan capacity = mean demand / this, per phase (unset: burst-aware capacity from "
+        "each model's trace and slo_attainment)",
     )
+    trace_scaling: Literal["superpose", "compress"] = Field(
+        default="superpose",
+        description="how a trace reaches the model's rate: overlay independent segments (superpose) or "
+        "compress time (compress, which keeps every burst of the trace, made denser)")
     n_max: int = Field(default=6, ge=1, le=8)
     rho: float = Field(default=12.0, gt=1)
     init_penalty_k: float = Field(default=0.1, ge=0, description="node init time / adjustment interval")
     epoch_minutes: float = Field(default=6.0, gt=0)
     epochs: int = Field(default=5, ge=1)
+
+    @field_validator("regions")
+    @classmethod
+    def _unique_regions(cls, regions: list[str]) -> list[str]:
+        if len(set(regions)) != len(regions):
+            raise ValueError("regions must be unique")
+        return regions
 
     @field_validator("configs")
     @classmethod

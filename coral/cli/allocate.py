@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import typer
 
-from coral.catalog.loader import CoralInputError, builtin_catalog, load_scenario
-from coral.cli.common import DEFAULT_OUT, ENGINE_HELP, console, friendly_errors
+from coral.catalog.loader import CoralInputError
+from coral.cli.common import (
+    DEFAULT_OUT,
+    ENGINE_HELP,
+    OFFERINGS_HELP,
+    console,
+    friendly_errors,
+    scenario_and_market,
+)
 from coral.report.terminal import FoldingTable, solver_in_words
 
 
@@ -38,10 +46,25 @@ def plan_table(plan: object) -> FoldingTable:
     return table
 
 
+def served_in_words(plan: object) -> str:
+    """How much of the demand a plan serves, and which (model, phase)s fall short, in plain words."""
+    from coral.allocation.plan import Plan
+
+    assert isinstance(plan, Plan)
+    demand = sum(s.demand for s in plan.serving)
+    served = sum(min(s.capacity, s.demand) for s in plan.serving)
+    short = sorted((s for s in plan.serving if s.served_fraction < 1 - 1e-9), key=lambda s: s.served_fraction)
+    if not short:
+        return f"all demand ({demand:,.0f} tok/s) at ${plan.cost_per_hour:,.2f}/h"
+    gaps = ", ".join(f"{s.model}/{s.phase} gets {s.served_fraction:.0%}" for s in short)
+    return (f"{served / demand:.1%} of demand ({served:,.0f} of {demand:,.0f} tok/s) at ${plan.cost_per_hour:,.2f}/h; "
+            f"{demand - served:,.0f} tok/s unserved: {gaps}; least served {short[0].served_fraction:.1%}")
+
+
 @friendly_errors
 def allocate_cmd(
     scenario: str = typer.Argument("core", help="built-in scenario name or scenario YAML"),
-    mode: str = typer.Option("cost", help="cost | goodput | scaled"),
+    mode: str = typer.Option("cost", help="cost | goodput | maxmin | scaled"),
     method: str = typer.Option("coral", help="coral | homo-greedy | homo-ilp | cauchy-paper"),
     availability_factor: float | None = typer.Option(None, help="headroom factor overriding the scenario's"),
     running: Path | None = typer.Option(None, help="previous plan JSON (scale-up penalty against it)"),
@@ -49,31 +72,35 @@ def allocate_cmd(
     gap: float = typer.Option(1e-4, help="relative MIP gap"),
     out: Path = typer.Option(DEFAULT_OUT, help="folder with the library; the plan is written here"),
     engine: str = typer.Option("coral", help=ENGINE_HELP),
+    offerings: Path | None = typer.Option(None, help=OFFERINGS_HELP),
 ) -> None:
     """Plan instances per (template, region) for the scenario's demand."""
     from coral.allocation import baselines
-    from coral.allocation.allocator import allocate
+    from coral.allocation.allocator import MODES, allocate
     from coral.allocation.availability import resolve_availability
     from coral.allocation.plan import Plan
     from coral.deploy.vllm import engine_library
-    from coral.experiments.allocation import load_library
+    from coral.templates.store import load_library
 
-    if mode not in ("cost", "goodput", "scaled"):
-        raise CoralInputError(f"--mode: must be cost, goodput or scaled, not {mode!r}")
-    sc = load_scenario(scenario)
-    lib = engine_library(load_library(scenario, out), engine, builtin_catalog())
-    avail = resolve_availability(sc, lib, factor=availability_factor)
+    if mode not in MODES:
+        raise CoralInputError(f"--mode: must be one of {', '.join(MODES)}, not {mode!r}")
+    t0 = time.perf_counter()
+    sc, cat = scenario_and_market(scenario, offerings)
+    lib = engine_library(load_library(scenario, out, cat), engine, cat)
+    t_lib = time.perf_counter()
+    avail = resolve_availability(sc, lib, cat, factor=availability_factor)
+    t_avail = time.perf_counter()
     if method == "coral":
         prev = Plan.load(running) if running else None
         plan = allocate(lib, sc, availability=avail, running=prev, mode=mode,  # type: ignore[arg-type]
-                        time_limit=time_limit, gap=gap)
+                        catalog=cat, time_limit=time_limit, gap=gap)
     elif method == "homo-greedy":
-        plan = baselines.homo_greedy(lib, sc, availability=avail)
+        plan = baselines.homo_greedy(lib, sc, availability=avail, catalog=cat)
     elif method == "homo-ilp":
         plan = baselines.homo_ilp(lib, sc, availability=avail, mode=mode,  # type: ignore[arg-type]
-                                  time_limit=time_limit, gap=gap)
+                                  catalog=cat, time_limit=time_limit, gap=gap)
     elif method == "cauchy-paper":
-        plan = baselines.cauchy_paper(lib, sc, availability=avail, time_limit=time_limit, gap=gap)
+        plan = baselines.cauchy_paper(lib, sc, availability=avail, catalog=cat, time_limit=time_limit, gap=gap)
     else:
         raise CoralInputError(f"--method: must be coral, homo-greedy, homo-ilp or cauchy-paper, not {method!r}")
     plan.engine = engine  # type: ignore[assignment]  # checked by engine_library
@@ -83,6 +110,10 @@ def allocate_cmd(
                   f"{s.time_s:.3f} s, {s.n_variables} vars, {s.n_constraints} rows; penalty "
                   f"${plan.penalty_per_hour:,.2f}/h")
     console.print(f"in words: {solver_in_words(s)}")
+    console.print(f"served: {served_in_words(plan)}")
+    total = time.perf_counter() - t0
+    console.print(f"time: {total:.2f} s end to end (library {t_lib - t0:.2f} s, availability {t_avail - t_lib:.2f} s, "
+                  f"plan {total - (t_avail - t0):.2f} s of which solver {s.time_s:.2f} s)")
     for note in s.notes:
         console.print(f"  [dim]{note}[/]")
     engine_tag = "" if engine == "coral" else f".{engine}"

@@ -10,7 +10,8 @@ from typing import Any, TypeVar
 import typer
 from rich.console import Console
 
-from coral.catalog.loader import CoralInputError
+from coral.catalog.loader import Catalog, CoralInputError, load_offerings, load_scenario, market_catalog
+from coral.catalog.schema import Scenario
 
 console = Console()
 err_console = Console(stderr=True)
@@ -35,6 +36,17 @@ def friendly_errors(fn: F) -> F:
 
 
 ENGINE_HELP = "engine the plan must run on: coral (every template) | vllm (only what stock vLLM launches)"
+OFFERINGS_HELP = ("offerings file (the schema of coral/data/offerings.yaml) replacing the market: prices, instance "
+                  "types, regions (default: the scenario's `offerings` file, else the shipped one)")
+
+
+def scenario_and_market(scenario: str, offerings: Path | None) -> tuple[Scenario, Catalog]:
+    """The scenario, checked against the market it plans in (`offerings` when given, which then becomes the
+    scenario's `offerings` file), and that market."""
+    sc = load_scenario(scenario, load_offerings(offerings) if offerings is not None else None)
+    if offerings is not None:  # downstream readers of the scenario (re-planners, baselines) plan in it too
+        sc = sc.model_copy(update={"offerings": str(offerings.resolve())})
+    return sc, market_catalog(sc)
 
 
 def library_path(scenario: str, out: Path = DEFAULT_OUT) -> Path:

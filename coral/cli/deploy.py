@@ -11,7 +11,7 @@ from rich.table import Table
 from coral.allocation.plan import Plan
 from coral.catalog.loader import CoralInputError, builtin_catalog
 from coral.cli.common import console, friendly_errors
-from coral.deploy.render import TARGETS, VLLM_IMAGE, render, skipped_instances, uncovered_keys
+from coral.deploy.render import TARGETS, VLLM_IMAGE, check_plan, render, skipped_instances, uncovered_keys
 
 
 def register(app: typer.Typer) -> None:
@@ -32,7 +32,9 @@ def register(app: typer.Typer) -> None:
         if target not in TARGETS:
             raise CoralInputError(f"--target: must be one of {', '.join(TARGETS)}, not {target!r}")
         p = Plan.load(plan)
-        skipped = skipped_instances(p, target, builtin_catalog())
+        catalog = builtin_catalog()
+        check_plan(p, catalog, f"--plan {plan}")
+        skipped = skipped_instances(p, target, catalog)
         if skipped:
             t = Table("instance", "reason", title=f"{len(skipped)} instance(s) stock vLLM cannot launch on {target}")
             for iid, why in skipped.items():
@@ -55,5 +57,5 @@ def register(app: typer.Typer) -> None:
             if strict:
                 raise CoralInputError(f"--strict: {len(skipped)} instance(s) cannot be rendered ({detail})")
             console.print(f"[yellow]warning[/]: planned capacity is reduced: {detail}")
-        res = render(p, target, out, image=image)
+        res = render(p, target, out, catalog, image=image)
         console.print(f"[green]wrote[/] {len(res.files)} file(s) to {out} (index.json lists them)")

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import typer
+from rich.status import Status
 
-from coral.catalog.loader import builtin_catalog, load_scenario
+from coral.catalog.loader import CoralInputError, builtin_catalog, load_scenario
 from coral.cli.common import DEFAULT_OUT, ENGINE_HELP, console, friendly_errors
+from coral.perf.model import Phase
 from coral.report.terminal import FoldingTable
 
 
@@ -20,51 +23,96 @@ def register(app: typer.Typer) -> None:
 def run_cmd(
     scenario: str = typer.Argument("core", help="built-in scenario name or scenario YAML"),
     out: Path = typer.Option(DEFAULT_OUT, help="output folder"),
-    duration: float | None = typer.Option(None, help="simulated seconds (default: epochs x epoch length)"),
-    seed: int = typer.Option(0, help="workload seed"),
+    duration: float | None = typer.Option(None, help="simulated seconds per request set (default: epochs x "
+                                           "epoch length)"),
     engine: str = typer.Option("coral", help=ENGINE_HELP),
+    budget: float | None = typer.Option(None, help="seconds each method's SLO search may take, checked between "
+                                        "rounds (default: 40 per model)"),
+    baselines: str = typer.Option(
+        "searched", help="searched: each baseline gets its own SLO search (equal attainment) | same-headroom: "
+        "baselines planned once with Coral's headroom (faster, unequal attainment) | none"),
 ) -> None:
-    """Build (or load) the template library, plan with Coral and the baselines, simulate the Coral plan with
-    re-planning every epoch and every method's plan held fixed (same requests), and write plans, simulation
+    """Build (or load) the template library; find with the simulator in the loop the cheapest Coral plan (and
+    baseline plans) meeting every model's SLO-attainment target on the tuning requests; score each on held-out
+    requests, simulate Coral re-planning every epoch, give a verdict per model, and write plans, simulation
     results and an HTML report."""
-    from coral.allocation import baselines
+    from coral.allocation import baselines as base
     from coral.allocation.allocator import allocate
     from coral.allocation.availability import resolve_availability
     from coral.deploy.vllm import engine_library
-    from coral.experiments.allocation import load_library
+    from coral.planning import SearchSettings, allocator_planner, search_plan
+    from coral.planning.slo_search import score, with_traffic
     from coral.report import build_report
     from coral.report.adapters import inputs_from_sim, method_result
     from coral.report.terminal import print_comparison, print_plan
     from coral.report.view import plan_fingerprint
     from coral.simulation.replan import allocator_replanner
     from coral.simulation.run import simulate
-    from coral.workload.traces import workload_for
+    from coral.templates.store import load_library
+    from coral.workload.traces import stand_in_notes, workload_for
 
+    if baselines not in ("searched", "same-headroom", "none"):
+        raise CoralInputError(f"--baselines: must be searched, same-headroom or none, not {baselines!r}")
+    t_start = time.perf_counter()
     sc = load_scenario(scenario)
     folder = out / f"run-{sc.name}"
     folder.mkdir(parents=True, exist_ok=True)
+    for note in stand_in_notes(sc):
+        console.print(f"[yellow]note:[/] {note}")
     lib = engine_library(load_library(scenario, out), engine, builtin_catalog())
     console.print(f"library: {len(lib):,} templates for {len(lib.keys())} (model, phase) pairs")
-
     avail = resolve_availability(sc, lib)
-    plan = allocate(lib, sc, availability=avail)
+    settings = SearchSettings(duration_s=duration, time_budget_s=budget)
+    methods = {"coral": allocate, "homo-greedy": base.homo_greedy, "cauchy-paper": base.cauchy_paper}
+    if baselines == "none":
+        methods = {"coral": methods["coral"]}
+    plans = {}
+    for name, method in methods.items():
+        if name != "coral" and baselines == "same-headroom":
+            continue
+        with console.status(f"{name}: searching for the cheapest plan meeting every SLO target") as status:
+
+            def show(line: str, name: str = name, status: Status = status) -> None:
+                status.update(f"{name}: {line}")
+                console.print(f"  {name} {line}")
+
+            result = search_plan(allocator_planner(lib, sc, avail, method=method), sc, settings, progress=show)
+        if result.plan is None:
+            raise CoralInputError(f"{name}: no plan in any round of the search: "
+                                  + "; ".join(r.note for r in result.rounds if r.note))
+        result.plan.method = name
+        plans[name] = result.plan
+        console.print(f"{name}: {len(result.rounds)} rounds in {result.wall_s:.0f} s -> "
+                      f"${result.plan.cost_per_hour:,.2f}/h")
+    plan = plans["coral"]
     plan.engine = engine  # type: ignore[assignment]  # checked by engine_library
-    others = [baselines.homo_greedy(lib, sc, availability=avail),
-              baselines.cauchy_paper(lib, sc, availability=avail)]
+    assert plan.slo is not None
+    duration_s = plan.slo.duration_s
+    room = {(s.model, Phase(s.phase)): s.headroom or 1.0 for s in plan.serving}
+    if baselines == "same-headroom":
+        traffic = {(s.model, Phase(s.phase)): s.traffic_tokens_s or 0.0 for s in plan.serving}
+        demand = {k: v * room[k] for k, v in traffic.items()}
+        for name in ("homo-greedy", "cauchy-paper"):
+            p = with_traffic(methods[name](lib, sc, demand=demand, availability=avail), traffic)
+            p.slo = score(p, sc, settings, duration_s, {}, room)
+            plans[name] = p
+    others = [p for name, p in plans.items() if name != "coral"]
     print_plan(plan, console)
     print_comparison(plan, others, console)
-    for p in (plan, *others):
+    for p in plans.values():
         p.save(folder / f"plan.{p.mode}.{p.method}.json")
 
-    duration_s = duration or sc.epochs * sc.epoch_minutes * 60.0
+    seed = plan.slo.held_out_seeds[0] if plan.slo.held_out_seeds else settings.tune_seeds[0]
     requests = workload_for(sc, duration_s, seed)
-    with console.status(f"simulating {duration_s:.0f} s of traffic with re-planning every {sc.epoch_minutes:g} min"):
-        sim = simulate(allocator_replanner(lib, sc), sc, requests, duration_s=duration_s, seed=seed)
+    with console.status(f"simulating {duration_s:.0f} s of held-out traffic with re-planning every "
+                        f"{sc.epoch_minutes:g} min"):
+        sim = simulate(allocator_replanner(lib, sc, headroom=room, initial=plan), sc, requests,
+                       duration_s=duration_s, seed=seed)
     sim.plan_fingerprint = plan_fingerprint(plan)  # the run starts from this plan, then re-plans
     sim.save_json(folder / "sim.json")
     sim.plots(folder)
     fixed = []
-    for p in (plan, *others):
+    for p in plans.values():
         with console.status(f"simulating the {p.method} plan held fixed"):
             run = simulate(p, sc, requests, duration_s=duration_s, seed=seed)
         run.plan_fingerprint = plan_fingerprint(p)
@@ -76,36 +124,39 @@ def run_cmd(
     report = folder / "report.html"
     report.write_text(build_report(plan, baselines=others, sim=inputs))
 
-    table = FoldingTable(title=f"Coral on {sc.name}: simulated {duration_s:.0f} s")
-    for col in ("model", "requests", "TTFT p50/p99 ms", "TPOT p50/p99 ms", "SLO attainment", "goodput tok/s"):
-        table.add_column(col, justify="left" if col == "model" else "right")
-    for m in sim.models:
-        table.add_row(m.model, f"{m.requests:,}", f"{m.ttft_ms.p50:,.0f} / {m.ttft_ms.p99:,.0f}",
-                      f"{m.tpot_ms.p50:,.1f} / {m.tpot_ms.p99:,.1f}", f"{m.slo_attainment:.1%}",
-                      f"{m.goodput_tokens_s:,.0f}")
-    console.print(table)
-    attainment = FoldingTable(title="SLO attainment per method (same requests)")
+    attainment = FoldingTable(title=f"SLO attainment on held-out requests (seed {seed}, {duration_s:.0f} s)")
     for col in ("method", "run", *(m.model for m in sim.models), "all", "cost $/h"):
         attainment.add_column(col, justify="left" if col in ("method", "run") else "right")
     for r in inputs.methods:
         attainment.add_row(r.method, r.how, *(f"{r.by_model.get(m.model, 0.0):.1%}" for m in sim.models),
                            f"{r.slo_attainment:.1%}", f"{r.cost_per_hour:,.2f}")
     console.print(attainment)
+    verdicts = FoldingTable(title=f"Verdict per model: Coral's plan, ${plan.cost_per_hour:,.2f}/h")
+    for col in ("model", "target", "tuned", "held-out (least)", "verdict"):
+        verdicts.add_column(col, justify="left" if col in ("model", "verdict") else "right")
+    for m, target in plan.slo.target.items():
+        verdicts.add_row(m, f"{target:.1%}", f"{plan.slo.tuned.get(m, 0.0):.1%}",
+                         f"{plan.slo.held_out.get(m, 0.0):.1%}", plan.slo.verdict.get(m, ""))
+    console.print(verdicts)
     summary = {
         "scenario": sc.name,
-        "planned_cost_per_hour": {p.method: round(p.cost_per_hour, 4) for p in (plan, *others)},
-        "served_fraction": {p.method: min((s.served_fraction for s in p.serving), default=1.0)
-                            for p in (plan, *others)},
+        "planned_cost_per_hour": {p.method: round(p.cost_per_hour, 4) for p in plans.values()},
+        "slo": {p.method: p.slo.model_dump() if p.slo else None for p in plans.values()},
+        "headroom": {f"{m}/{ph.value}": round(v, 4) for (m, ph), v in room.items()},
         "solve_seconds": plan.solve.time_s,
         "simulated_cost_per_hour": sim.mean_cost_per_hour,
         "slo_attainment": sim.slo_attainment,
         "goodput_tokens_s": sim.goodput_tokens_s,
         "fixed_plan_slo_attainment": {r.method: r.slo_attainment for r in fixed},
         "fixed_plan_cost_per_hour": {r.method: r.cost_per_hour for r in fixed},
+        "wall_s": time.perf_counter() - t_start,
     }
     (folder / "summary.json").write_text(json.dumps(summary, indent=2))
-    console.print(f"Coral ${plan.cost_per_hour:,.2f}/h vs " + ", ".join(
-        f"{p.method} ${p.cost_per_hour:,.2f}/h" for p in others) +
-        f"; simulated SLO attainment {sim.slo_attainment:.1%}, cost ${sim.mean_cost_per_hour:,.2f}/h")
+    met = all(plan.slo.passed(m) for m in plan.slo.target)
+    console.print(("[green]every model meets its SLO target[/]" if met else
+                   "[red]not every model meets its SLO target (see the verdicts)[/]") +
+                  f" on held-out requests: Coral ${plan.cost_per_hour:,.2f}/h vs " + ", ".join(
+                      f"{p.method} ${p.cost_per_hour:,.2f}/h" for p in others) +
+                  f"; whole run {time.perf_counter() - t_start:.0f} s")
     console.print(f"wrote [bold]{report}[/] and plans, sim*.json, report-inputs.json, plots, summary.json in "
                   f"{folder}")

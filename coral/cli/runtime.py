@@ -10,12 +10,12 @@ from typing import TYPE_CHECKING
 
 import httpx
 import typer
-import uvicorn
 from fastapi import FastAPI
 from rich.table import Column, Table
 
 from coral.allocation.plan import Plan
 from coral.catalog.loader import CoralInputError, load_scenario
+from coral.catalog.schema import Scenario
 from coral.cli.common import DEFAULT_OUT, console, friendly_errors, library_path
 from coral.deploy.endpoints import EndpointsFile
 from coral.report.dashboard import make_router
@@ -23,7 +23,9 @@ from coral.runtime.backends import Backend, EmulatedBackend, VllmProcessBackend
 from coral.runtime.controller import Controller, Store, controller_router, runtime_state_provider
 from coral.runtime.gateway import GatewayConfig, create_gateway_app, load_secrets
 from coral.runtime.registry import Endpoint, InstanceState, Registry
-from coral.runtime.server import KEEP_ALIVE_S
+from coral.runtime.server import DrainingServer, server_config
+from coral.runtime.traffic import TrafficMeter
+from coral.simulation.engine import ObservedDemand
 
 if TYPE_CHECKING:
     from coral.runtime.coral_backend import CoralEngineBackend
@@ -31,32 +33,67 @@ if TYPE_CHECKING:
 DEFAULT_URL = "http://127.0.0.1:8080"
 API_KEYS_ENV = "CORAL_API_KEYS"
 ADMIN_TOKEN_ENV = "CORAL_ADMIN_TOKEN"
+READ_TOKENS_ENV = "CORAL_READ_TOKENS"
 KEYS_HELP = f"file of gateway API keys, one a line (also the comma-separated env var {API_KEYS_ENV})"
+READ_HELP = (
+    f"file of read-only tokens for /dashboard, /metrics and /state, one a line (also the env var {READ_TOKENS_ENV})"
+)
 RATE_HELP = "requests/s allowed per API key (per client address without keys); 0 = unlimited"
+GRACE_HELP = "seconds a shutdown (SIGTERM, Ctrl-C) waits for requests in flight; a second signal exits at once"
 
 
 def access_config(
-    config: GatewayConfig, keys_file: Path | None, rate_limit: float, host: str
+    config: GatewayConfig,
+    keys_file: Path | None,
+    rate_limit: float,
+    host: str,
+    read_tokens_file: Path | None = None,
+    admin_token: str | None = None,
 ) -> GatewayConfig:
-    """`config` with the API keys and rate limit; warns (never printing a key) when exposed without keys."""
+    """`config` with the API keys, read-only and admin tokens and rate limit; warns (never printing a key) when
+    exposed without keys."""
     keys = load_secrets(API_KEYS_ENV, keys_file)
     if not keys and host not in ("127.0.0.1", "localhost", "::1"):
         console.print(f"[yellow]warning:[/] {host} is reachable from other hosts and no API key is set")
+    read = load_secrets(READ_TOKENS_ENV, read_tokens_file)
     console.print(
-        f"gateway API keys: {len(keys) or 'none (open)'}; rate limit per key: {rate_limit or 'none'}"
+        f"gateway API keys: {len(keys) or 'none (open)'}; read-only tokens: {len(read) or 'none'}; "
+        f"rate limit per key: {rate_limit or 'none'}"
     )
-    return replace(config.with_api_keys(keys), rate_limit_rps=rate_limit)
+    admin = [admin_token] if admin_token else []
+    return replace(config.with_api_keys(keys).with_tokens(read, admin), rate_limit_rps=rate_limit)
+
+
+def prefill_timeouts(scenario: Scenario, factor: float) -> dict[str, float]:
+    """Per model, how long the gateway waits for a prefill instance's answer: `factor` x its TTFT SLO (none when
+    `factor` is 0)."""
+    return {m.model: factor * m.prefill_slo_ms / 1e3 for m in scenario.models} if factor > 0 else {}
+
+
+def run_server(app: FastAPI, host: str, port: int, grace_s: float) -> None:
+    """Serve `app` until SIGTERM/SIGINT, then drain for at most `grace_s` (a second signal: at once)."""
+    DrainingServer(server_config(app, host, port, grace_s=grace_s)).run()
 
 
 def allocator_planner(
-    scenario_name: str, running: Callable[[], Plan | None], out: Path = DEFAULT_OUT
+    scenario_name: str,
+    running: Callable[[], Plan | None],
+    out: Path = DEFAULT_OUT,
+    observe: Callable[[], ObservedDemand] | None = None,
+    interval_s: float = 60.0,
 ) -> Callable[[], Plan]:
     """Planner running the allocator on the scenario's template library (built by `coral templates build`),
-    warm from the `running` plan so unchanged instances are kept."""
+    warm from the `running` plan so unchanged instances are kept. Without `observe` it plans the scenario's
+    demand; with it (what the gateway saw since the last call, one call per `interval_s`: `TrafficMeter.observe`)
+    each call re-plans for the forecast of the coming interval's traffic × the scenario's headroom × the
+    latency correction (`coral.allocation.forecast`), holding (model, phase)s already within 25 % above it
+    (`coral.simulation.replan.allocator_replanner`, the re-planner the simulator measures)."""
     from coral.templates.library import TemplateLibrary
 
     try:
         from coral.allocation.allocator import allocate
+        from coral.allocation.forecast import DemandForecaster, LatencyCorrection
+        from coral.simulation.replan import allocator_replanner
     except ImportError:
         raise CoralInputError("the allocator is not available in this build; pass --plan PLAN.json") from None
     scenario = load_scenario(scenario_name)
@@ -66,7 +103,16 @@ def allocator_planner(
             f"{path}: no template library; run `coral templates build {scenario_name}` first"
         )
     library = TemplateLibrary.load(path)
-    return lambda: allocate(library, scenario, running=running())
+    if observe is None:
+        return lambda: allocate(library, scenario, running=running())
+    replan = allocator_replanner(library, scenario, forecaster=DemandForecaster(interval_s),
+                                 correction=LatencyCorrection.for_scenario(scenario), hold=0.25)
+
+    def plan() -> Plan:
+        observed = observe()
+        return replan(observed.epoch, observed, running())
+
+    return plan
 
 
 def static_registry(spec: EndpointsFile) -> Registry:
@@ -88,9 +134,10 @@ def build_runtime(
     ready_timeout_s: float = 60.0,
 ) -> tuple[FastAPI, Controller]:
     """Gateway app with the controller API (`/state`, `/replan`; `admin_token` guards `/replan`) and dashboard
-    mounted, and its controller."""
+    mounted, and its controller. The gateway sends the engines the store's `engine_token`."""
     registry = Registry()
     controller = Controller(store, backend, registry, planner, interval_s=interval_s, ready_timeout_s=ready_timeout_s)
+    config = replace(config or GatewayConfig(), upstream_api_key=store.engine_token())
     app = create_gateway_app(registry, config)
     provider = runtime_state_provider(controller, app.state.gateway)
     app.include_router(controller_router(controller, app.state.gateway.state, admin_token))
@@ -134,17 +181,29 @@ def register(app: typer.Typer) -> None:
             None, help="seconds an engine may take to become healthy (default 60; 600 for vllm and coral, whose "
             "servers take minutes to start on a CPU)"
         ),
+        read_tokens_file: Path | None = typer.Option(None, help=READ_HELP),
+        grace: float = typer.Option(30.0, help=GRACE_HELP),
+        slo_timeout: float = typer.Option(
+            10.0, help="a prefill instance that has not answered within this many times the model's TTFT SLO (times "
+            "--time-scale for emulated engines) is timed out, not retried elsewhere, and ejected for a while; 0 = off"
+        ),
     ) -> None:
         """Run controller + gateway + engines; OpenAI API on http://HOST:PORT/v1, state on /state."""
+        db_path = db or DEFAULT_OUT / f"{Path(scenario).stem}.runtime.sqlite"
+        store = Store(db_path)
+        if store.notice:
+            console.print(f"[yellow]warning:[/] {store.notice}")
         engines: EmulatedBackend | VllmProcessBackend | CoralEngineBackend
         if backend == "emulated":
-            engines = EmulatedBackend(time_scale=time_scale)
+            engines = EmulatedBackend(time_scale=time_scale, api_key=store.engine_token())
         elif backend == "vllm":
             try:
                 ids = [int(g) for g in gpus.split(",") if g.strip()]
             except ValueError:
                 raise CoralInputError(f"--gpus {gpus!r}: must be comma-separated integers") from None
-            engines = VllmProcessBackend(ids, [vllm_bin], log_dir=DEFAULT_OUT / "vllm-logs")
+            engines = VllmProcessBackend(
+                ids, [vllm_bin], log_dir=DEFAULT_OUT / "vllm-logs", api_key=store.engine_token()
+            )
         elif backend == "coral":
             from coral.runtime.coral_backend import CoralEngineBackend
 
@@ -153,31 +212,35 @@ def register(app: typer.Typer) -> None:
             raise CoralInputError(
                 f"--backend {backend!r}: must be 'emulated', 'vllm' or 'coral'; for clusters render manifests with `coral deploy`"
             )
-        load_scenario(scenario)
+        meter = TrafficMeter(load_scenario(scenario))  # reads the gateway once build_runtime has made it
         if plan is not None:
             Plan.load(plan)  # fail now on a bad file
             plan_path = plan
             planner: Callable[[], Plan] = lambda: Plan.load(plan_path)  # noqa: E731
-        db_path = db or DEFAULT_OUT / f"{Path(scenario).stem}.runtime.sqlite"
-        store = Store(db_path)
         if plan is None:
-            planner = allocator_planner(scenario, store.plan)
-        cfg = access_config(GatewayConfig(), api_keys_file, rate_limit, host)
+            planner = allocator_planner(scenario, store.plan, observe=meter.observe, interval_s=interval)
         admin = load_secrets(ADMIN_TOKEN_ENV, admin_token_file)
         if len(admin) > 1:
             raise CoralInputError(f"{admin_token_file or ADMIN_TOKEN_ENV}: holds more than one admin token")
+        scale = max(1.0, time_scale) if backend == "emulated" else 1.0
+        timeouts = prefill_timeouts(load_scenario(scenario), slo_timeout * scale)
+        cfg = access_config(
+            GatewayConfig(prefill_timeout_s=timeouts), api_keys_file, rate_limit, host, read_tokens_file,
+            admin[0] if admin else None,
+        )
         if not admin and host not in ("127.0.0.1", "localhost", "::1"):
             console.print(f"[yellow]warning:[/] POST /replan is open to anyone reaching {host}")
         gw_app, controller = build_runtime(
             planner, store, engines, interval, cfg, admin[0] if admin else None,
             ready_timeout_s=ready_timeout or (60.0 if backend == "emulated" else 600.0),
         )
+        meter.gateway = gw_app.state.gateway
         controller.start()
         console.print(
             f"[green]coral serve[/] {scenario}: gateway http://{host}:{port}/v1, state /state, db {db_path}"
         )
         try:
-            uvicorn.run(gw_app, host=host, port=port, log_level="warning", timeout_keep_alive=KEEP_ALIVE_S)
+            run_server(gw_app, host, port, grace)
         finally:
             controller.stop()
             engines.close()
@@ -194,32 +257,39 @@ def register(app: typer.Typer) -> None:
         max_waiting: int = typer.Option(1024, help="requests queued beyond that before 429"),
         api_keys_file: Path | None = typer.Option(None, help=KEYS_HELP),
         rate_limit: float = typer.Option(0.0, help=RATE_HELP),
+        read_tokens_file: Path | None = typer.Option(None, help=READ_HELP),
+        grace: float = typer.Option(30.0, help=GRACE_HELP),
     ) -> None:
         """Serve the OpenAI API over deployed engines (static endpoints, no controller)."""
         registry = static_registry(EndpointsFile.load(endpoints))
         cfg = GatewayConfig(max_concurrency=max_concurrency, max_waiting=max_waiting)
-        cfg = access_config(cfg, api_keys_file, rate_limit, host)
+        cfg = access_config(cfg, api_keys_file, rate_limit, host, read_tokens_file)
         console.print(
             f"[green]coral gateway[/]: {len(registry.all())} endpoint(s) on http://{host}:{port}/v1"
         )
-        uvicorn.run(
-            create_gateway_app(registry, cfg),
-            host=host,
-            port=port,
-            log_level="warning",
-            timeout_keep_alive=KEEP_ALIVE_S,
-        )
+        run_server(create_gateway_app(registry, cfg), host, port, grace)
 
     @app.command("status")
     @friendly_errors
-    def status(url: str = typer.Option(DEFAULT_URL, help="base URL of `coral serve`")) -> None:
+    def status(
+        url: str = typer.Option(DEFAULT_URL, help="base URL of `coral serve`"),
+        token: str = typer.Option(
+            "", envvar="CORAL_TOKEN", show_default=False,
+            help="API key or read-only token, when the gateway has keys (env CORAL_TOKEN)",
+        ),
+    ) -> None:
         """Show the controller's plan, instances and recent actions."""
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
         try:
-            st = httpx.get(f"{url.rstrip('/')}/state", timeout=5).json()
+            r = httpx.get(f"{url.rstrip('/')}/state", headers=headers, timeout=5)
         except httpx.HTTPError as exc:
             raise CoralInputError(
                 f"--url {url}: cannot reach the controller ({type(exc).__name__})"
             ) from None
+        if r.status_code != 200:
+            hint = "; pass --token (or CORAL_TOKEN)" if r.status_code == 401 else ""
+            raise CoralInputError(f"--url {url}: /state answered HTTP {r.status_code}{hint}")
+        st = r.json()
         p = st.get("plan")
         if p:
             n = len(p["instances"])

@@ -7,9 +7,8 @@ from pathlib import Path
 import typer
 
 from coral.allocation.plan import Plan
-from coral.catalog.loader import CoralInputError, load_scenario
-from coral.cli.common import DEFAULT_OUT, console, friendly_errors
-from coral.experiments.allocation import load_library
+from coral.catalog.loader import CoralInputError
+from coral.cli.common import DEFAULT_OUT, OFFERINGS_HELP, console, friendly_errors, scenario_and_market
 from coral.report.terminal import FoldingTable
 from coral.report.view import plan_fingerprint
 from coral.simulation.availability import load_availability
@@ -18,7 +17,8 @@ from coral.simulation.metrics import SimResult
 from coral.simulation.replan import allocator_replanner
 from coral.simulation.run import simulate
 from coral.simulation.stand_in import greedy_plan
-from coral.workload.traces import SHIPPED_TRACES, shipped_path, workload_for
+from coral.templates.store import load_library
+from coral.workload.traces import SHIPPED_TRACES, shipped_path, stand_in_notes, workload_for
 
 
 def register(app: typer.Typer) -> None:
@@ -73,6 +73,8 @@ def simulate_cmd(
         "wrr", help="wrr (weighted round-robin, the paper), lor (least outstanding, weighted) or both (compare)"
     ),
     rate_scale: float = typer.Option(1.0, help="multiply every model's request rate"),
+    trace_scaling: str = typer.Option("", help="superpose (overlay independent trace segments) or compress "
+                                      "(compress time); default: the scenario's trace_scaling"),
     startup_delay: float = typer.Option(300.0, help="seconds before a newly planned instance serves"),
     availability: Path | None = typer.Option(
         None, help="availability schedule (YAML/JSON) or trace (CSV); default: the scenario's availability_schedule"
@@ -84,6 +86,7 @@ def simulate_cmd(
     requests_csv: bool = typer.Option(False, help="also write requests.csv (one row per request)"),
     kv_reserve: str = typer.Option("mean", help="KV charged per decoding request: mean (prompt + output/2) or max"),
     out: Path = typer.Option(DEFAULT_OUT, help="output folder (library looked up here; results in out/sim/...)"),
+    offerings: Path | None = typer.Option(None, help=OFFERINGS_HELP),
 ) -> None:
     """Simulate serving a plan: TTFT/TPOT, SLO attainment, goodput, cost, GPU utilisation (JSON + PNG)."""
     routers = ["wrr", "lor"] if router == "both" else [router]
@@ -91,14 +94,17 @@ def simulate_cmd(
         raise CoralInputError(f"--router must be wrr, lor or both, not {router!r}")
     if kv_reserve not in ("mean", "max"):
         raise CoralInputError(f"--kv-reserve must be mean or max, not {kv_reserve!r}")
-    sc = load_scenario(scenario)
+    sc, cat = scenario_and_market(scenario, offerings)
     duration_s = duration or sc.epochs * sc.epoch_minutes * 60.0
     names = [m.model for m in sc.models]
     files = parse_traces(trace, names)
-    requests = workload_for(sc, duration_s, seed, files, rate_scale=rate_scale)
+    requests = workload_for(sc, duration_s, seed, files, rate_scale=rate_scale,
+                            scaling=trace_scaling or None)  # type: ignore[arg-type]  # checked there
+    for note in stand_in_notes(sc, files):
+        console.print(f"[yellow]note:[/] {note}")
     sched = load_availability(availability, sc) if availability else sc.availability_schedule
     fixed_plan = Plan.load(plan) if plan is not None else None
-    library = load_library(scenario, out) if fixed_plan is None else None
+    library = load_library(scenario, out, cat) if fixed_plan is None else None
     results = []
     for r in routers:
         runner: Plan | Replanner

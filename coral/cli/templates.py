@@ -10,7 +10,14 @@ import numpy as np
 import typer
 
 from coral.catalog.loader import CoralInputError, builtin_catalog, load_scenario
-from coral.cli.common import DEFAULT_OUT, console, friendly_errors, library_path
+from coral.cli.common import (
+    DEFAULT_OUT,
+    OFFERINGS_HELP,
+    console,
+    friendly_errors,
+    library_path,
+    scenario_and_market,
+)
 from coral.perf.roofline import PerfParams, RooflineModel
 from coral.report.terminal import FoldingTable
 from coral.templates.build import build_library
@@ -31,16 +38,17 @@ def build_cmd(
     ray: bool = typer.Option(False, "--ray", help="distribute on a Ray cluster (RAY_ADDRESS or a local one)"),
     vllm_compatible: bool = typer.Option(False, help="keep only templates stock vLLM can launch"),
     perf_params: Path | None = typer.Option(None, help="calibrated perf-model parameters (YAML)"),
+    offerings: Path | None = typer.Option(None, help=OFFERINGS_HELP),
 ) -> None:
     """Enumerate node combinations and solve each one's optimal placement."""
-    sc = load_scenario(scenario)
+    sc, cat = scenario_and_market(scenario, offerings)
     perf = RooflineModel(PerfParams.load(perf_params) if perf_params else None)
     stage_filter = None
     if vllm_compatible:
         from coral.deploy.vllm import vllm_compatible_filter
 
         stage_filter = vllm_compatible_filter
-    lib = build_library(sc, perf=perf, workers=workers, progress=True, use_ray=ray, stage_filter=stage_filter)
+    lib = build_library(sc, cat, perf=perf, workers=workers, progress=True, use_ray=ray, stage_filter=stage_filter)
     path = lib.save(library_path(scenario, out))
     stats = json.loads(lib.meta["stats"])
     table = FoldingTable(title=f"Serving Template Library: {sc.name}")
@@ -67,7 +75,7 @@ def show_cmd(
     """Best templates of a model by tokens/s per $ in a region."""
     if phase not in ("prefill", "decode"):
         raise CoralInputError(f"--phase: must be prefill or decode, not {phase!r}")
-    from coral.experiments.allocation import load_library
+    from coral.templates.store import load_library
 
     lib = load_library(scenario, out)
     sc = load_scenario(scenario)

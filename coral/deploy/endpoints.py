@@ -12,14 +12,14 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from coral.allocation.plan import PlanClass
+from coral.allocation.plan import PlanClass, SafeName
 from coral.catalog.loader import load_file
 
 
 class EndpointSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    id: str = Field(min_length=1)
-    model: str = Field(min_length=1)
+    id: SafeName = Field(description="metric label and router id")
+    model: SafeName
     phase: Literal["prefill", "decode"]
     url: str = Field(pattern=r"^https?://", description="API base, without /v1")
     weight: float = Field(gt=0, description="planned tokens/s behind this endpoint (router weight)")

@@ -16,16 +16,20 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
-from collections import defaultdict
+import shutil
+import tempfile
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
+from pydantic import ValidationError
 
 from coral.allocation.plan import Plan, PlanInstance
-from coral.catalog.loader import Catalog, CoralInputError, builtin_catalog
+from coral.catalog.loader import Catalog, CoralInputError, builtin_catalog, format_validation_error
 from coral.catalog.schema import NodeOffering, parse_config_name
 from coral.deploy.endpoints import EndpointsFile, EndpointSpec
 from coral.deploy.vllm import (
@@ -84,6 +88,50 @@ def cloud_region(o: NodeOffering) -> str:
     """Catalog regions are prefixed by the cloud ('aws-us-east-2'); SkyPilot wants the bare name."""
     prefix = f"{o.cloud}-"
     return o.region[len(prefix) :] if o.region.startswith(prefix) else o.region
+
+
+def check_plan(plan: Plan, catalog: Catalog, source: str = "plan") -> None:
+    """Raise CoralInputError listing every problem that would make rendering fail or lie: duplicate instance
+    ids, unknown models or GPUs, bad config names, configs not offered in the instance's region, node
+    throughputs not one per node, node counts that differ from the stages, and stages whose layers do not
+    cover the model's layers once, in order."""
+    try:  # the schema again: the object may have been built or changed without validation
+        Plan.model_validate(plan.model_dump())
+    except ValidationError as exc:
+        raise CoralInputError(format_validation_error(source, exc)) from None
+    problems: list[str] = []
+    ids = Counter(i.id for i in plan.instances)
+    problems += [f"instances: id {iid!r} appears {n} times" for iid, n in ids.items() if n > 1]
+    for k, inst in enumerate(plan.instances):
+        where = f"instances.{k} ({inst.id})"
+        if inst.model not in catalog.models:
+            problems.append(f"{where}.model: unknown model {inst.model!r}")
+        next_layer = 0
+        for j, st in enumerate(inst.stages):
+            at = f"{where}.stages.{j}"
+            if st.first_layer != next_layer:
+                problems.append(f"{at}.first_layer: {st.first_layer}, expected {next_layer} (stages must follow on)")
+            next_layer = st.first_layer + st.layers
+            if len(st.node_throughput) != len(st.nodes):
+                problems.append(f"{at}.node_throughput: {len(st.node_throughput)} values for {len(st.nodes)} nodes")
+            for cfg in sorted(set(st.nodes)):
+                try:
+                    gpu, _n = parse_config_name(cfg)
+                except ValueError as exc:
+                    problems.append(f"{at}.nodes: {exc}")
+                    continue
+                if gpu not in catalog.gpus:
+                    problems.append(f"{at}.nodes: unknown GPU {gpu!r} in {cfg!r}")
+                elif not any(o.config == cfg and o.region == inst.region for o in catalog.offerings):
+                    problems.append(f"{at}.nodes: no offering of {cfg} in region {inst.region!r}")
+        arch = catalog.models.get(inst.model)
+        if arch is not None and next_layer != arch.num_hidden_layers:
+            problems.append(f"{where}.stages: cover {next_layer} layers, {inst.model} has {arch.num_hidden_layers}")
+        counted = dict(Counter(n for st in inst.stages for n in st.nodes))
+        if inst.counts != counted:
+            problems.append(f"{where}.counts: {inst.counts} but the stages hold {counted}")
+    if problems:
+        raise CoralInputError(f"{source}: {len(problems)} problem(s), nothing was written\n  " + "\n  ".join(problems))
 
 
 def groups(plan: Plan) -> dict[tuple[str, str, int, str], list[PlanInstance]]:
@@ -312,12 +360,29 @@ def node_script(inst: PlanInstance, launch: NodeLaunch) -> str:
 def render(
     plan: Plan, target: Target, out_dir: str | Path, catalog: Catalog | None = None, image: str = VLLM_IMAGE
 ) -> RenderResult:
-    """Write the manifests of `plan` for `target` into `out_dir` (plus `index.json`); returns files and skips."""
+    """Write the manifests of `plan` for `target` into `out_dir` (plus `index.json`); returns files and skips.
+
+    The whole plan is checked first (`check_plan`); files are rendered into a temporary folder beside `out_dir`
+    and moved into it only once every one rendered, so a failure leaves `out_dir` as it was."""
     if target not in TARGETS:
         raise CoralInputError(f"target: must be one of {', '.join(TARGETS)}, not {target!r}")
     cat = catalog or builtin_catalog()
+    check_plan(plan, cat)
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        res = _render_into(plan, target, staging, cat, image)
+        out.mkdir(exist_ok=True)
+        for f in sorted(staging.iterdir()):
+            os.replace(f, out / f.name)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    res.files = [out / f.name for f in res.files]
+    return res
+
+
+def _render_into(plan: Plan, target: Target, out: Path, cat: Catalog, image: str) -> RenderResult:
     res = RenderResult()
 
     def write(name: str, docs: list[dict[str, Any]] | str) -> None:

@@ -26,7 +26,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from coral.engine.scheduler import Request as EngineRequest
 from coral.engine.scheduler import Scheduler
-from coral.runtime.emulated import _chunk, _full, max_tokens_of
+from coral.openai_shapes import chunk, full, max_tokens_of
 
 Event = tuple[int | None, str | None, list[float] | None]
 
@@ -145,7 +145,7 @@ def create_instance_app(
             except RuntimeError as exc:
                 return _error(500, str(exc), "engine_error")
             text = tokenizer.decode(detok.ids, skip_special_tokens=True)
-            out = _full(chat, rid, model, text, len(prompt), len(detok.ids))
+            out = full(chat, rid, model, text, len(prompt), len(detok.ids))
             out["choices"][0]["finish_reason"] = finish
             if body.get("return_token_ids"):
                 out["choices"][0]["prompt_token_ids"] = prompt
@@ -171,10 +171,10 @@ def create_instance_app(
             first = True
             try:
                 async for text, finish in tokens():
-                    chunk = _chunk(chat, rid, model, text, finish, first)
+                    piece = chunk(chat, rid, model, text, finish, first)
                     if body.get("return_token_ids"):
-                        chunk["choices"][0]["token_ids"] = detok.ids[-1:]
-                    yield f"data: {json.dumps(chunk)}\n\n".encode()
+                        piece["choices"][0]["token_ids"] = detok.ids[-1:]
+                    yield f"data: {json.dumps(piece)}\n\n".encode()
                     first = False
             except RuntimeError as exc:
                 yield f"data: {json.dumps({'error': {'message': str(exc), 'type': 'engine_error'}})}\n\n".encode()

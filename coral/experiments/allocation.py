@@ -7,6 +7,7 @@ Every experiment returns an `ExperimentResult` (rows of a table) and writes `<ou
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from collections.abc import Callable
@@ -19,12 +20,13 @@ import numpy as np
 from coral.allocation import baselines
 from coral.allocation.allocator import UNLIMITED, InfeasibleDemand, allocate
 from coral.allocation.availability import estimated_nodes, headroom_availability, resolve_availability
-from coral.allocation.demand import DemandKey, scenario_demand
+from coral.allocation.demand import DemandKey, phase_demand, scenario_demand
 from coral.allocation.plan import Plan
 from coral.catalog.loader import Catalog, builtin_catalog, load_scenario
 from coral.catalog.schema import Scenario
 from coral.experiments.paper import paper_setting, waterfall_settings
 from coral.templates.library import TemplateLibrary
+from coral.templates.store import load_library
 
 SCARCE_FACTORS = (0.5, 0.8, 1.25, 1.75)  # < 1: below the estimate; demand may not be met
 EPOCH_SEED = 7
@@ -40,26 +42,13 @@ class ExperimentResult:
     files: list[Path] = field(default_factory=list)
 
 
-def load_library(scenario: str, out: Path) -> TemplateLibrary:
-    """The scenario's library from `out/<scenario>.templates.sqlite`, built and cached when missing."""
-    import os
-
-    from coral.templates.build import build_library
-
-    path = out / f"{Path(scenario).stem}.templates.sqlite"
-    if path.exists():
-        return TemplateLibrary.load(path)
-    lib = build_library(load_scenario(scenario), workers=os.cpu_count(), progress=True)
-    lib.save(path)
-    return lib
-
-
 def _min_served(plan: Plan) -> float:
     return min((s.served_fraction for s in plan.serving if s.demand > 0), default=1.0)
 
 
-def _goodput(plan: Plan) -> float:
-    """Demand-weighted served fraction over all (model, phase)."""
+def _served(plan: Plan) -> float:
+    """Planned share of demand served: Σ min(capacity, demand) / Σ demand over all (model, phase) (the paper's
+    goodput, SLO-meeting tokens/s, needs a simulation: `coral simulate`)."""
     dem = sum(s.demand for s in plan.serving)
     return sum(min(s.capacity, s.demand) for s in plan.serving) / dem if dem else 1.0
 
@@ -71,14 +60,17 @@ def compare_plans(lib: TemplateLibrary, sc: Scenario, avail: dict[str, dict[str,
                   demand: dict[DemandKey, float] | None, time_limit: float, catalog: Catalog | None = None
                   ) -> dict[str, Plan]:
     """Coral and every baseline on one setting. Coral and homo-ilp run in cost mode; when demand cannot be met
-    they run in goodput mode (Coral also in the paper's scaled mode, as "coral-scaled")."""
+    they run in goodput mode (Coral also in max-min and the paper's scaled mode, as "coral-maxmin" and
+    "coral-scaled")."""
     plans: dict[str, Plan] = {}
     common: dict[str, Any] = {"demand": demand, "availability": avail, "catalog": catalog}
     try:
         plans["coral"] = allocate(lib, sc, time_limit=time_limit, gap=1e-4, **common)
     except InfeasibleDemand:
         plans["coral"] = allocate(lib, sc, mode="goodput", time_limit=time_limit, **common)
-        plans["coral-scaled"] = allocate(lib, sc, mode="scaled", time_limit=time_limit, **common)
+        for mode in ("maxmin", "scaled"):  # raise when no model can be served at a positive uniform share
+            with contextlib.suppress(InfeasibleDemand):
+                plans[f"coral-{mode}"] = allocate(lib, sc, mode=mode, time_limit=time_limit, **common)
     try:
         plans["homo-ilp"] = baselines.homo_ilp(lib, sc, time_limit=time_limit, gap=1e-4, **common)
     except InfeasibleDemand:
@@ -102,14 +94,14 @@ def _compare(name: str, lib: TemplateLibrary, sc: Scenario, avail: dict[str, dic
         "ratio": round(p.cost_per_hour / coral, 4) if coral > 0 else None, "demand_met": _met(p),
         "instances": len(p.instances), "nodes": sum(i.n_nodes for i in p.instances),
         "heterogeneous": sum(i.heterogeneous for i in p.instances),
-        "min_served": round(_min_served(p), 4), "goodput": round(_goodput(p), 4),
+        "min_served": round(_min_served(p), 4), "served": round(_served(p), 4),
         "demand_scale": p.demand_scale, "solve_s": round(p.solve.time_s, 3),
         "gap": p.solve.gap, "status": p.solve.status,
     } for method, p in plans.items()]
 
 
 COMPARE_COLUMNS = ["setting", "method", "cost_per_hour", "ratio", "demand_met", "instances", "nodes",
-                   "heterogeneous", "min_served", "goodput", "demand_scale", "solve_s", "gap", "status"]
+                   "heterogeneous", "min_served", "served", "demand_scale", "solve_s", "gap", "status"]
 
 
 class _Estimates:
@@ -161,28 +153,60 @@ def exp_scarce(out: Path, time_limit: float = 30.0) -> ExperimentResult:
     return ExperimentResult("scarce", "Scarce availability: cost and goodput", COMPARE_COLUMNS, rows)
 
 
-def _imbalanced_demand(sc: Scenario, large_heavy: bool) -> dict[DemandKey, float]:
-    """Rates ×2 for the larger half of the models (by parameter bytes) and ×0.5 for the rest, or the reverse."""
+def _by_size(sc: Scenario) -> list[str]:
+    """The scenario's models, smallest first by parameter count (as the paper ranks them: phi-4 14B <
+    gpt-oss-20b < qwen3-32b, although gpt-oss-20b's 4-bit experts take the fewest bytes)."""
     from coral.perf.roofline import RooflineModel
 
     perf, cat = RooflineModel(), builtin_catalog()
-    size = {sm.model: perf.shape(cat.model(sm.model)).model_bytes for sm in sc.models}
-    ranked = sorted(size, key=lambda m: size[m])
+    size = {}
+    for sm in sc.models:
+        arch = cat.model(sm.model)
+        sh = perf.shape(arch)
+        size[sm.model] = arch.num_hidden_layers * (sh.attn_params + sh.dense_mlp_params
+                                                   + (arch.num_experts or 0) * sh.expert_params)
+    return sorted(size, key=lambda m: size[m])
+
+
+def _imbalanced_demand(sc: Scenario, large_heavy: bool) -> dict[DemandKey, float]:
+    """Ours: rates ×2 for the larger half of the models (by parameters) and ×0.5 for the rest, or the reverse."""
+    ranked = _by_size(sc)
     large = set(ranked[len(ranked) // 2:])
     base = scenario_demand(sc)
     return {(m, p): v * ((2.0 if m in large else 0.5) if large_heavy else (0.5 if m in large else 2.0))
             for (m, p), v in base.items()}
 
 
+def _paper_imbalanced_demand(sc: Scenario, large_heavy: bool, heavy_share: float = 0.8) -> dict[DemandKey, float]:
+    """The paper's (§6.5): the scenario's total request rate, `heavy_share` of it split equally over the largest
+    (or smallest) third of the models, the rest split equally over the others."""
+    ranked = _by_size(sc)
+    n_heavy = max(1, round(len(ranked) / 3))
+    heavy = set(ranked[-n_heavy:] if large_heavy else ranked[:n_heavy])
+    total = sum(sm.request_rate for sm in sc.models)
+    light = len(ranked) - len(heavy)
+    out: dict[DemandKey, float] = {}
+    for sm in sc.models:
+        rate = total * (heavy_share / len(heavy) if sm.model in heavy else (1 - heavy_share) / max(light, 1))
+        out.update({(sm.model, p): v for p, v in phase_demand(sm, rate).items()})
+    return out
+
+
 def exp_imbalanced(out: Path, time_limit: float = 30.0) -> ExperimentResult:
-    """Imbalanced demand: large-heavy and small-heavy request mixes on the extended scenario."""
+    """Imbalanced demand on core and extended: the paper's definition (80 % of the requests on the largest or
+    smallest third of the models) and ours (×2 / ×0.5 by model size), large-heavy and small-heavy."""
     est = _Estimates()
     rows = []
-    sc, lib = load_scenario("extended"), load_library("extended", out)
-    for label, heavy in (("large-heavy", True), ("small-heavy", False)):
-        dem = _imbalanced_demand(sc, heavy)
-        rows += _compare(label, lib, sc, est.availability(sc, lib, 3.0, dem), dem, time_limit)
-    return ExperimentResult("imbalanced", "Imbalanced demand (extended)", COMPARE_COLUMNS, rows)
+    for name in ("core", "extended"):
+        sc, lib = load_scenario(name), load_library(name, out)
+        for label, make in (("paper", _paper_imbalanced_demand), ("x2/x0.5", _imbalanced_demand)):
+            for heavy in (True, False):
+                dem = make(sc, heavy)
+                setting = f"{name} {label} {'large' if heavy else 'small'}-heavy"
+                rows += _compare(setting, lib, sc, est.availability(sc, lib, 3.0, dem), dem, time_limit)
+    return ExperimentResult("imbalanced", "Imbalanced demand (core and extended)", COMPARE_COLUMNS, rows,
+                            notes=["paper: 80 % of requests on the largest / smallest third of the models; "
+                                   "x2/x0.5: rates doubled for the larger (smaller) half, halved for the rest"])
 
 
 def _churn(prev: Plan | None, new: Plan) -> tuple[int, int]:
@@ -304,7 +328,7 @@ def _plot(result: ExperimentResult, path: Path) -> None:
         for i, m in enumerate(methods):
             xs = [settings.index(r["setting"]) + i * width for r in result.rows if r["method"] == m]
             axes[0].bar(xs, [r["cost_per_hour"] for r in result.rows if r["method"] == m], width, label=m)
-            axes[1].bar(xs, [r["goodput"] for r in result.rows if r["method"] == m], width, label=m)
+            axes[1].bar(xs, [r["served"] for r in result.rows if r["method"] == m], width, label=m)
         for ax, label in ((axes[0], "$/h"), (axes[1], "served fraction of demand")):
             ax.set_xticks(np.arange(len(settings)) + 0.4 - width / 2, settings, rotation=15)
             ax.set_ylabel(label)

@@ -39,7 +39,8 @@ class Backend(Protocol):
 
 
 class EmulatedBackend:
-    """One emulated engine server (uvicorn thread on loopback) per instance, timed by the perf model."""
+    """One emulated engine server (uvicorn thread on loopback) per instance, timed by the perf model; with
+    `api_key`, its `/v1/*` answers only requests bearing it (the gateway's `upstream_api_key`)."""
 
     def __init__(
         self,
@@ -47,11 +48,13 @@ class EmulatedBackend:
         catalog: Catalog | None = None,
         perf: PerfModel | RooflineModel | None = None,
         host: str = "127.0.0.1",
+        api_key: str | None = None,
     ) -> None:
         self.time_scale = time_scale
         self.catalog = catalog
         self.perf = perf
         self.host = host
+        self.api_key = api_key
         self.servers: dict[str, ServerThread] = {}
         self.apps: dict[str, Any] = {}
         self.starts = 0
@@ -61,7 +64,7 @@ class EmulatedBackend:
         with self._lock:
             srv = self.servers.get(instance.id)
             if srv is None or not srv.alive():
-                app = instance_engine_app(instance, self.time_scale, self.catalog, self.perf)
+                app = instance_engine_app(instance, self.time_scale, self.catalog, self.perf, self.api_key)
                 srv = self.servers[instance.id] = ServerThread(app, host=self.host).start()
                 self.apps[instance.id] = app
                 self.starts += 1
@@ -89,8 +92,15 @@ class EmulatedBackend:
         return self.apps[instance_id].state.engine
 
     def close(self) -> None:
-        for iid in list(self.servers):
-            self.stop(iid, {})
+        """Stop every engine at once, dropping what is still in flight (the gateway drained before this)."""
+        with self._lock:
+            servers = list(self.servers.values())
+            self.servers.clear()
+            self.apps.clear()
+        for srv in servers:
+            srv.server.force_exit = srv.server.should_exit = True
+        for srv in servers:
+            srv.stop(force=True)
 
 
 class VllmProcessBackend:
@@ -101,7 +111,7 @@ class VllmProcessBackend:
     build run by `python` (`coral.vllm_cpu`) on the model's local checkpoint (`checkpoints`, else the tiny
     model for `tiny-llama`, else its Hugging Face id) with dummy weights, `--enforce-eager`, a KV cache of
     `cpu_kv_cache_gib` and at most `cpu_max_model_len` tokens per sequence. Each instance gets a free loopback
-    port. Multi-node pipelines need a cluster: render them with `coral deploy`. Handles carry the pid, so a
+    port; with `api_key`, vLLM's `/v1/*` needs it (`VLLM_API_KEY`). Multi-node pipelines need a cluster: render them with `coral deploy`. Handles carry the pid, so a
     restarted controller adopts and stops processes it did not start itself.
     """
 
@@ -117,8 +127,10 @@ class VllmProcessBackend:
         checkpoints: Mapping[str, Path] | None = None,
         cpu_kv_cache_gib: int = 1,
         cpu_max_model_len: int = 512,
+        api_key: str | None = None,
     ) -> None:
         self.free = list(gpus)
+        self.api_key = api_key
         self.assign = bool(gpus)
         self.executable = list(executable)
         self.catalog = catalog or builtin_catalog()
@@ -172,6 +184,8 @@ class VllmProcessBackend:
                     raise CoralInputError(f"{instance.id}: needs {tp} GPU(s), {len(self.free)} free")
                 gpus, self.free = self.free[:tp], self.free[tp:]
                 env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
+            if self.api_key:
+                env["VLLM_API_KEY"] = self.api_key
             out: Any = subprocess.DEVNULL
             if self.log_dir is not None:
                 self.log_dir.mkdir(parents=True, exist_ok=True)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hmac
 import json
+import secrets
 import sqlite3
 import threading
 import time
@@ -29,7 +30,9 @@ from fastapi.responses import JSONResponse
 
 from coral.allocation.plan import Plan, PlanInstance
 from coral.catalog.loader import CoralInputError, validate
+from coral.openai_shapes import InvalidRequest, bearer_token
 from coral.runtime.backends import Backend, Handle
+from coral.runtime.gateway import BodyRefused, error_response, parse_json, read_body
 from coral.runtime.registry import Endpoint, InstanceState, Registry
 
 SCHEMA = """
@@ -45,15 +48,47 @@ ACTIVE = ("starting", "ready", "draining")
 
 
 class Store:
-    """Desired plan, observed instances and the action log in one SQLite file (thread-safe)."""
+    """Desired plan, observed instances and the action log in one SQLite file (thread-safe).
+
+    A file that is not a SQLite database (or a corrupt one) is moved aside to `<name>.corrupt-<unix time>` and
+    a fresh database started (`notice` says so, and the action log's first row); a file that cannot be opened
+    or written (permissions, a read-only file or folder) is refused with CoralInputError naming it."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
-        self.db.execute("PRAGMA journal_mode=WAL")
-        self.db.executescript(SCHEMA)
         self.lock = threading.RLock()
+        self.notice = ""
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                self.db = self._open()
+            except sqlite3.OperationalError:
+                raise
+            except sqlite3.DatabaseError as exc:
+                backup = self.path.with_name(f"{self.path.name}.corrupt-{int(time.time())}")
+                self.path.replace(backup)
+                for side in ("-wal", "-shm"):
+                    Path(f"{self.path}{side}").unlink(missing_ok=True)
+                self.db = self._open()
+                self.notice = f"{self.path} was not a readable SQLite database ({exc}): kept as {backup.name}, started empty"
+                self.finish(self.begin("reset-state", "-"), "done", self.notice)
+        except (sqlite3.OperationalError, OSError) as exc:
+            raise CoralInputError(
+                f"{self.path}: cannot open the controller state database for writing ({exc}); fix its "
+                "permissions or pass --db with a writable path"
+            ) from None
+
+    def _open(self) -> sqlite3.Connection:
+        self.path.touch(mode=0o600)  # owner-only: it holds the engines' token
+        db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
+        try:
+            db.execute("PRAGMA journal_mode=WAL")
+            db.executescript(SCHEMA)
+            db.execute("INSERT OR REPLACE INTO meta VALUES ('opened_at', ?)", (str(time.time()),))  # writable?
+        except sqlite3.Error:
+            db.close()
+            raise
+        return db
 
     def close(self) -> None:
         self.db.close()
@@ -67,6 +102,27 @@ class Store:
                 "INSERT INTO desired VALUES (?, ?)", [(i.id, i.model_dump_json()) for i in plan.instances]
             )
             self.db.execute("COMMIT")
+
+    def engine_token(self) -> str:
+        """The token the gateway sends its engines (made once and kept, so restarted runs reach the engines
+        they adopt)."""
+        with self.lock:
+            row = self.db.execute("SELECT value FROM meta WHERE key='engine_token'").fetchone()
+            if row:
+                return str(row[0])
+            token = secrets.token_urlsafe(32)
+            self.db.execute("INSERT INTO meta VALUES ('engine_token', ?)", (token,))
+            return token
+
+    def pin(self, pinned: bool) -> None:
+        """Pin the stored plan (the planner is not asked while pinned) or release it."""
+        with self.lock:
+            self.db.execute("INSERT OR REPLACE INTO meta VALUES ('pinned', ?)", ("1" if pinned else "0",))
+
+    def pinned(self) -> bool:
+        with self.lock:
+            row = self.db.execute("SELECT value FROM meta WHERE key='pinned'").fetchone()
+        return bool(row and row[0] == "1")
 
     def plan(self) -> Plan | None:
         with self.lock:
@@ -244,8 +300,8 @@ class Controller:
         self.store.set_plan(plan)
 
     def replan(self) -> dict[str, list[str]]:
-        """Ask the planner (if any) for a new plan, then reconcile."""
-        if self.planner is not None:
+        """Ask the planner (if any, and the plan is not pinned) for a new plan, then reconcile."""
+        if self.planner is not None and not self.store.pinned():
             self.set_plan(self.planner())
         return self.reconcile()
 
@@ -254,7 +310,7 @@ class Controller:
         plan_next = True
         while not self._stop.is_set():
             try:
-                if plan_next and self.planner is not None:
+                if plan_next and self.planner is not None and not self.store.pinned():
                     self.set_plan(self.planner())
                 self.reconcile()
                 self.last_error = ""
@@ -290,7 +346,8 @@ class Controller:
          "traffic": {model: {phase: {instance id: observed share}}},
          "latency": {model: {count, p50_ms, p99_ms, ttft_p50_ms, ttft_p99_ms}},
          "queue": {waiting, active}, "actions": [{seq, ts, kind, instance_id, status, detail}] (newest
-         first), "last_error": str, "updated_at": unix seconds}
+         first), "pinned": whether a posted plan holds off the planner, "last_error": str,
+         "updated_at": unix seconds}
         """
         plan = self.store.plan()
         desired = self.store.desired()
@@ -329,6 +386,7 @@ class Controller:
             "latency": gw.get("latency", {}),
             "queue": gw.get("queue", {}),
             "actions": self.store.actions(),
+            "pinned": self.store.pinned(),
             "last_error": self.last_error,
             "updated_at": time.time(),
         }
@@ -339,21 +397,24 @@ def controller_router(
     gateway_state: Callable[[], dict[str, Any]] | None = None,
     admin_token: str | None = None,
     max_body_bytes: int = 16 << 20,
+    body_timeout_s: float = 30.0,
 ) -> APIRouter:
-    """`GET /state` and `POST /replan` (optional body: a plan JSON to adopt; `?wait=true` reconciles now).
-    With `admin_token`, `/replan` needs `Authorization: Bearer ADMIN_TOKEN` (401 otherwise)."""
+    """`GET /state` and `POST /replan`: with a plan JSON body, adopt it and pin it (the planner is not asked
+    until `POST /replan?release=true`); without a body, ask the planner now (409 while pinned); `?wait=true`
+    reconciles before answering. With `admin_token`, `/replan` needs `Authorization: Bearer ADMIN_TOKEN` (401
+    otherwise). Every error is JSON in OpenAI's shape with the reason; bodies past `max_body_bytes` get 413
+    however they are framed."""
     router = APIRouter()
-    expected = f"Bearer {admin_token}".encode() if admin_token else None
+    expected = admin_token.encode() if admin_token else None
 
     def denied(request: Request) -> JSONResponse | None:
         if expected is None:
             return None
-        given = request.headers.get("authorization", "").encode()
+        given = bearer_token(request.headers.get("authorization", "")).encode()
         if hmac.compare_digest(given, expected):
             return None
         msg = "this endpoint needs the controller's admin token: `Authorization: Bearer TOKEN`"
-        err = {"message": msg, "type": "authentication_error", "param": None, "code": "invalid_admin_token"}
-        return JSONResponse({"error": err}, 401)
+        return error_response(401, msg, "invalid_admin_token")
 
     def snapshot() -> dict[str, Any]:
         return controller.state(gateway_state() if gateway_state else None)
@@ -363,35 +424,37 @@ def controller_router(
         return snapshot()
 
     @router.post("/replan")
-    async def replan(request: Request, wait: bool = False) -> Any:
+    async def replan(request: Request, wait: bool = False, release: bool = False) -> Any:
         if (refused := denied(request)) is not None:
             return refused
-        declared = request.headers.get("content-length", "0")
-        if declared.isdigit() and int(declared) > max_body_bytes:
-            return _bad(413, f"plan over {max_body_bytes} bytes")
-        raw = await request.body()
-        if raw.strip():
-            try:
-                plan = validate(Plan, json.loads(raw), "POST /replan body")
-            except (CoralInputError, ValueError) as exc:
-                return _bad(400, str(exc))
-            controller.set_plan(plan)
+        try:
+            raw = await read_body(request, max_body_bytes, body_timeout_s)
+            plan = validate(Plan, parse_json(raw), "POST /replan body") if raw.strip() else None
+        except BodyRefused as exc:
+            return exc.response()
+        except (CoralInputError, InvalidRequest) as exc:
+            return error_response(400, str(exc), "invalid_plan")
+        if plan is not None and release:
+            return error_response(400, "release=true takes no plan body", "invalid_plan")
+        if plan is None and not release and controller.store.pinned():
+            msg = "the plan posted to /replan is pinned: POST /replan?release=true hands planning back"
+            return error_response(409, msg, "plan_pinned")
+        try:
+            if plan is not None:
+                controller.store.pin(True)  # first: a planner tick in between cannot replace the posted plan
+                controller.set_plan(plan)
+            elif release:
+                controller.store.pin(False)
             if wait:
-                await run_in_threadpool(controller.reconcile)
+                await run_in_threadpool(controller.reconcile if plan is not None else controller.replan)
             else:
-                controller.trigger(plan=False)
-        elif wait:
-            await run_in_threadpool(controller.replan)
-        else:
-            controller.trigger()
+                controller.trigger(plan=plan is None)
+        except sqlite3.Error as exc:
+            msg = f"controller state {controller.store.path} cannot be written: {exc}"
+            return error_response(503, msg, "state_unwritable")
         return snapshot()
 
     return router
-
-
-def _bad(status: int, message: str) -> JSONResponse:
-    err = {"message": message, "type": "invalid_request_error", "param": None, "code": None}
-    return JSONResponse({"error": err}, status)
 
 
 def runtime_state_provider(controller: Controller, gateway: Any) -> Callable[[], dict[str, Any]]:

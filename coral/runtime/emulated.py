@@ -15,6 +15,7 @@ takes the request id from `X-Request-Id` (`chatcmpl-ID` / `cmpl-ID`), refuses `m
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import time
 import uuid
@@ -30,6 +31,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from coral.allocation.plan import PlanInstance
 from coral.catalog.loader import Catalog, builtin_catalog
 from coral.catalog.schema import ModelArch
+from coral.openai_shapes import bearer_token, chunk, error_body, full, max_tokens_of, usage
 from coral.perf.model import PerfModel, Phase, Workload
 from coral.perf.roofline import RooflineModel
 
@@ -93,11 +95,6 @@ def token_text(prompt: str, i: int) -> str:
     return " " + VOCAB[(zlib.crc32(prompt.encode(errors="surrogatepass")) + i) % len(VOCAB)]
 
 
-def max_tokens_of(body: dict[str, Any]) -> int:
-    n = body.get("max_completion_tokens", body.get("max_tokens", 16))
-    return max(1, int(n if n is not None else 16))
-
-
 @dataclass
 class EngineState:
     instance_id: str
@@ -149,48 +146,28 @@ class PrefillBatcher:
                     fut.set_result(None)
 
 
-def _usage(n_prompt: int, n_out: int) -> dict[str, int]:
-    return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}
-
-
-def _chunk(chat: bool, rid: str, model: str, text: str, finish: str | None, first: bool) -> dict[str, Any]:
-    choice: dict[str, Any] = {"index": 0, "finish_reason": finish}
-    if chat:
-        choice["delta"] = {"role": "assistant", "content": text} if first else {"content": text}
-        obj = "chat.completion.chunk"
-    else:
-        choice["text"], choice["logprobs"], obj = text, None, "text_completion"
-    return {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": [choice]}
-
-
-def _full(chat: bool, rid: str, model: str, text: str, n_prompt: int, n_out: int) -> dict[str, Any]:
-    if chat:
-        choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text}}
-        obj = "chat.completion"
-    else:
-        choice, obj = {"index": 0, "text": text, "logprobs": None}, "text_completion"
-    choice["finish_reason"] = "length"
-    usage = _usage(n_prompt, n_out)
-    return {
-        "id": rid,
-        "object": obj,
-        "created": int(time.time()),
-        "model": model,
-        "choices": [choice],
-        "usage": usage,
-    }
-
-
-def _error(status: int, message: str, param: str | None) -> JSONResponse:
-    err = {"message": message, "type": "invalid_request_error", "param": param, "code": None}
-    return JSONResponse({"error": err}, status_code=status)
+def _error(status: int, message: str, param: str | None, kind: str = "invalid_request_error") -> JSONResponse:
+    return JSONResponse(error_body(message, kind, param), status_code=status)
 
 
 def create_engine_app(
-    instance_id: str, model: str, phase: str, timing: EngineTiming, time_scale: float = 1.0
+    instance_id: str,
+    model: str,
+    phase: str,
+    timing: EngineTiming,
+    time_scale: float = 1.0,
+    api_key: str | None = None,
 ) -> FastAPI:
-    """FastAPI app of one emulated instance; its `state.engine` is the `EngineState` (counters for tests)."""
-    app = FastAPI(title=f"coral emulated engine {instance_id}")
+    """FastAPI app of one emulated instance; its `state.engine` is the `EngineState` (counters for tests).
+    With `api_key`, `/v1/*` needs `Authorization: Bearer API_KEY` (vLLM's `--api-key`; `/health` stays open)."""
+    app = FastAPI(title=f"coral emulated engine {instance_id}", docs_url=None, redoc_url=None, openapi_url=None)
+    expected = api_key.encode() if api_key else None
+
+    def denied(request: Request) -> JSONResponse | None:
+        given = bearer_token(request.headers.get("authorization", "")).encode()
+        if expected is None or hmac.compare_digest(given, expected):
+            return None
+        return _error(401, "this engine needs the gateway's token", None, "authentication_error")
     st = EngineState(instance_id=instance_id, model=model, phase=phase)
     app.state.engine = st
     batcher = PrefillBatcher(timing.prefill_s, time_scale, st)
@@ -204,11 +181,15 @@ def create_engine_app(
         return {"status": "ok", "instance": instance_id, "active": st.active}
 
     @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
+    async def models(request: Request) -> Any:
+        if (refused := denied(request)) is not None:
+            return refused
         card = {"id": model, "object": "model", "created": int(time.time()), "owned_by": "coral-emulated"}
         return {"object": "list", "data": [card]}
 
     async def complete(request: Request, chat: bool) -> Any:
+        if (refused := denied(request)) is not None:
+            return refused
         body = await request.json()
         if body.get("model") != model:
             return _error(404, f"model {body.get('model')!r} is not served here ({model})", "model")
@@ -231,7 +212,7 @@ def create_engine_app(
                 st.active -= 1
         if kv_in.get("do_remote_decode"):
             text = token_text(prompt, 0)
-            out = _full(chat, rid, model, text, n_prompt, 1)
+            out = full(chat, rid, model, text, n_prompt, 1)
             out["kv_transfer_params"] = {
                 "do_remote_prefill": True,
                 "do_remote_decode": False,
@@ -254,7 +235,7 @@ def create_engine_app(
 
         if not body.get("stream"):
             text = "".join([t async for t in tokens()])
-            return JSONResponse(_full(chat, rid, model, text, n_prompt, n_out), headers=headers)
+            return JSONResponse(full(chat, rid, model, text, n_prompt, n_out), headers=headers)
 
         so = body.get("stream_options")
         include_usage = isinstance(so, dict) and bool(so.get("include_usage"))
@@ -263,16 +244,16 @@ def create_engine_app(
             i = 0
             async for t in tokens():
                 finish = "length" if i == n_out - 1 else None
-                chunk = _chunk(chat, rid, model, t, finish, i == 0)
+                piece = chunk(chat, rid, model, t, finish, i == 0)
                 if include_usage:
-                    chunk["usage"] = None
-                yield f"data: {json.dumps(chunk)}\n\n".encode()
+                    piece["usage"] = None
+                yield f"data: {json.dumps(piece)}\n\n".encode()
                 i += 1
             if include_usage:
                 last = {
-                    **_chunk(chat, rid, model, "", None, False),
+                    **chunk(chat, rid, model, "", None, False),
                     "choices": [],
-                    "usage": _usage(n_prompt, i),
+                    "usage": usage(n_prompt, i),
                 }
                 yield f"data: {json.dumps(last)}\n\n".encode()
             yield b"data: [DONE]\n\n"
@@ -295,8 +276,9 @@ def instance_engine_app(
     time_scale: float = 1.0,
     catalog: Catalog | None = None,
     perf: PerfModel | RooflineModel | None = None,
+    api_key: str | None = None,
 ) -> FastAPI:
     """The emulated engine of a plan instance, timed by the perf model (roofline by default)."""
     cat = catalog or builtin_catalog()
     timing = EngineTiming.from_instance(instance, cat.model(instance.model), cat, perf or RooflineModel())
-    return create_engine_app(instance.id, instance.model, instance.phase, timing, time_scale)
+    return create_engine_app(instance.id, instance.model, instance.phase, timing, time_scale, api_key)

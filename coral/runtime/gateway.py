@@ -11,11 +11,18 @@ connection) is retried on another instance of the pool; once streaming started, 
 an SSE error event. In-flight counts are released in `finally` blocks that also run on client cancels, and
 endpoints are released on the object they were picked on, so churn cannot skew them.
 
-Access: with API keys configured, `/v1/*` needs `Authorization: Bearer KEY` (keys are kept only as SHA-256
-digests); each key (or client address without keys) has a token bucket of `rate_limit_rps` answering 429 with
-Retry-After; bodies over `max_body_bytes` get 413. Requests are validated (400 naming the field) and every
-error has OpenAI's shape `{"error": {"message", "type", "param", "code"}}`. One request id (the client's
-`X-Request-Id` or a new one) goes to both the prefill and the decode instance, as vLLM's PD proxy does.
+Access: with API keys configured (or read-only tokens), every path but `/health` needs `Authorization: Bearer
+KEY` (`AccessGuard`; the scheme in any case; keys and tokens are kept only as SHA-256 digests): API keys reach
+everything, read-only tokens GET the dashboard, metrics and state, the admin token `/replan` and those views.
+Each key (or client address without keys) has a token bucket of `rate_limit_rps` answering 429 with
+Retry-After; bodies over `max_body_bytes` get 413 however they are framed, bodies not received within
+`body_timeout_s` 408. Requests are validated by pydantic models of OpenAI's request schema
+(`coral.openai_shapes`: 400 naming the field), prompts certainly longer than `max_prompt_tokens` are refused
+before routing, and every error has OpenAI's shape `{"error": {"message", "type", "param", "code"}}`. Metric
+labels are the plan's model and instance ids only (every other model name counts as `_unknown`). A request an
+instance took and did not answer within `request_timeout_s` gets 504 and is not retried elsewhere; that
+instance gets no requests for `eject_s` (outlier ejection). One request id (the client's `X-Request-Id` or a new
+one) goes to both the prefill and the decode instance, as vLLM's PD proxy does.
 """
 
 from __future__ import annotations
@@ -29,11 +36,11 @@ import os
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 from fastapi import APIRouter, FastAPI, Request
@@ -41,11 +48,14 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import Receive, Scope, Send
+from starlette.requests import HTTPConnection
+from starlette.types import Message, Receive, Scope, Send
 
 from coral.catalog.loader import CoralInputError
-from coral.runtime.http1 import Http1Pool, Http1Response
+from coral.openai_shapes import InvalidRequest, bearer_token, error_body, parse_request
+from coral.runtime.http1 import Http1Pool, UpstreamPool, UpstreamResponse, UpstreamTimeout
 from coral.runtime.registry import Endpoint, InstanceState, Registry
 
 PREFILL_KV_PARAMS = {
@@ -63,24 +73,27 @@ PREFILL_UNSUPPORTED = ("min_tokens", "min_completion_tokens", "stream_options")
 
 CHARS_PER_TOKEN = 4.0
 """Characters per token of text prompts: an estimate (the gateway does not tokenize) for request classes."""
+MAX_CHARS_PER_TOKEN = 16.0
+"""Characters per token no tokenizer exceeds on ordinary text: prompts refused as longer than the context are
+longer at this rate (a lower bound on their tokens), so no prompt that fits is refused."""
 
 
-def prompt_tokens(body: dict[str, Any]) -> float:
+def prompt_tokens(body: dict[str, Any], chars_per_token: float = CHARS_PER_TOKEN) -> float:
     """Estimated prompt tokens of a validated request: token ids are counted (the longest of several
-    prompts), text is `CHARS_PER_TOKEN` characters a token (chat: all text contents together)."""
+    prompts), text is `chars_per_token` characters a token (chat: all text contents together)."""
     if "messages" in body:
         chars = 0
         for m in body["messages"]:
             c = m.get("content")
             parts = [c] if isinstance(c, str) else [p.get("text") for p in c or [] if isinstance(p, dict)]
             chars += sum(len(t) for t in parts if isinstance(t, str))
-        return chars / CHARS_PER_TOKEN
+        return chars / chars_per_token
     p = body["prompt"]
     if isinstance(p, str):
-        return len(p) / CHARS_PER_TOKEN
+        return len(p) / chars_per_token
     if isinstance(p[0], int):
         return float(len(p))
-    return max(len(x) if isinstance(x, list) else len(x) / CHARS_PER_TOKEN for x in p)
+    return max(len(x) if isinstance(x, list) else len(x) / chars_per_token for x in p)
 
 
 def key_digest(key: str) -> str:
@@ -107,6 +120,17 @@ def load_secrets(env_var: str, path: Path | None = None) -> list[str]:
     return found
 
 
+OPEN_PATHS = frozenset({"/health"})
+"""Answered without credentials (load-balancer and orchestrator probes)."""
+READ_PATHS = frozenset({"/metrics", "/gateway/state", "/state", "/dashboard", "/dashboard/state.json"})
+ADMIN_PATHS = frozenset({"/replan"})
+TOKEN_COOKIE = "coral_token"
+"""Browsers open `/dashboard?token=TOKEN` once; the page's polls then send the token as this cookie (HttpOnly,
+SameSite=Strict, Path=/dashboard)."""
+UNKNOWN_MODEL = "_unknown"
+"""The one metric label of every model not in the plan (label values come only from the plan)."""
+
+
 @dataclass(frozen=True)
 class GatewayConfig:
     max_concurrency: int = 256
@@ -126,13 +150,51 @@ class GatewayConfig:
     rate_limit_burst: int = 0
     """Bucket size (default: max(1, rate_limit_rps))."""
     max_body_bytes: int = 8 << 20
+    body_timeout_s: float = 30.0
+    """A request body not received in full within this gets 408 (slow clients cannot hold a slot)."""
     upstream_api_key: str | None = field(default=None, repr=False)
     """Sent as `Authorization: Bearer` to the engines (vLLM `--api-key`)."""
+    upstream_client: Literal["http1", "aiohttp"] = "http1"
+    """The client of upstream requests: the hand-written `http1` or aiohttp's (measured side by side in
+    `benchmarks/gateway.py`)."""
+    prefill_timeout_s: dict[str, float] = field(default_factory=dict)
+    """Per model, how long a prefill instance may take to answer the prefill call (from the model's TTFT SLO,
+    `coral serve`); models not listed wait `request_timeout_s`."""
+    max_prompt_tokens: int = 131_072
+    """Context length: prompts certainly longer (token ids, or text at `MAX_CHARS_PER_TOKEN`) get 400 before
+    routing, so no instance is stalled by one."""
+    eject_s: float = 30.0
+    """An instance that took a request and did not answer within `request_timeout_s` gets no requests for this
+    long (outlier ejection; the timed-out request is not sent to another instance)."""
+    read_token_digests: frozenset[str] = field(default=frozenset(), repr=False)
+    """Digests of read-only tokens: GET on `READ_PATHS` (dashboard, metrics, state) and nothing else."""
+    admin_token_digests: frozenset[str] = field(default=frozenset(), repr=False)
+    """Digests of admin tokens: `ADMIN_PATHS` (`/replan`) and `READ_PATHS`."""
 
     def with_api_keys(self, keys: Iterable[str]) -> GatewayConfig:
-        from dataclasses import replace
-
         return replace(self, api_key_digests=frozenset(key_digest(k) for k in keys))
+
+    def with_tokens(self, read: Iterable[str] = (), admin: Iterable[str] = ()) -> GatewayConfig:
+        return replace(
+            self,
+            read_token_digests=frozenset(key_digest(k) for k in read),
+            admin_token_digests=frozenset(key_digest(k) for k in admin),
+        )
+
+    @property
+    def guarded(self) -> bool:
+        """Whether credentials are required (API keys or read tokens configured): then every path but
+        `OPEN_PATHS` needs one."""
+        return bool(self.api_key_digests or self.read_token_digests)
+
+    def allows(self, digest: str, method: str, path: str) -> bool:
+        """Whether the credential of SHA-256 `digest` may call `method path`."""
+        if digest in self.api_key_digests:
+            return True
+        read = method in ("GET", "HEAD") and path in READ_PATHS
+        if digest in self.admin_token_digests:
+            return read or path in ADMIN_PATHS
+        return read and digest in self.read_token_digests
 
 
 class UpstreamError(Exception):
@@ -153,10 +215,6 @@ class AsciiJSONResponse(JSONResponse):
         return json.dumps(content, separators=(",", ":")).encode()
 
 
-def error_body(message: str, kind: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
-
-
 def error_response(
     status: int,
     message: str,
@@ -170,79 +228,13 @@ def error_response(
     return AsciiJSONResponse(error_body(message, kind, param, code), status, headers=headers)
 
 
-class BadRequest(Exception):
-    def __init__(self, message: str, param: str | None = None, status: int = 400, code: str | None = None):
-        super().__init__(message)
-        self.param, self.status, self.code = param, status, code
-
-
-ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
-
-
-def _number(body: dict[str, Any], name: str, lo: float, hi: float, integer: bool = False) -> None:
-    v = body.get(name)
-    if v is None:
-        return
-    ok_type = isinstance(v, int) if integer else isinstance(v, int | float)
-    if not ok_type or isinstance(v, bool) or not lo <= v <= hi:
-        kind = "an integer" if integer else "a number"
-        raise BadRequest(f"'{name}' must be {kind} in [{lo:g}, {hi:g}], got {json.dumps(v)[:40]}", name)
-
-
-def validate_request(body: Any, chat: bool) -> None:
-    """Raise BadRequest (message + param) unless `body` is a well-formed (chat) completions request."""
-    if not isinstance(body, dict):
-        raise BadRequest("the request body must be a JSON object")
-    if not isinstance(body.get("model"), str) or not body["model"]:
-        raise BadRequest("'model' is required and must be a non-empty string", "model")
-    if chat:
-        msgs = body.get("messages")
-        if not isinstance(msgs, list) or not msgs:
-            raise BadRequest("'messages' is required and must be a non-empty array", "messages")
-        for i, m in enumerate(msgs):
-            if not isinstance(m, dict):
-                raise BadRequest(f"'messages[{i}]' must be an object", f"messages[{i}]")
-            if m.get("role") not in ROLES:
-                raise BadRequest(
-                    f"'messages[{i}].role' must be one of {sorted(ROLES)}", f"messages[{i}].role"
-                )
-            c = m.get("content")
-            if c is not None and not isinstance(c, str | list):
-                raise BadRequest(
-                    f"'messages[{i}].content' must be a string or an array", f"messages[{i}].content"
-                )
-    else:
-        p = body.get("prompt")
-        ok = isinstance(p, str) or (
-            isinstance(p, list)
-            and bool(p)
-            and (
-                all(isinstance(x, str) for x in p)
-                or all(isinstance(x, int) and not isinstance(x, bool) for x in p)
-                or all(isinstance(x, list) and all(isinstance(t, int) for t in x) for x in p)
-            )
-        )
-        if not ok:
-            raise BadRequest(
-                "'prompt' is required: a string, an array of strings or an array of token ids", "prompt"
-            )
-    for name in ("max_tokens", "max_completion_tokens", "n", "min_tokens"):
-        _number(body, name, 0 if name == "min_tokens" else 1, 1 << 31, integer=True)
-    _number(body, "temperature", 0, 2)
-    _number(body, "top_p", 0, 1)
-    _number(body, "presence_penalty", -2, 2)
-    _number(body, "frequency_penalty", -2, 2)
-    stream = body.get("stream")
-    if stream is not None and not isinstance(stream, bool):
-        raise BadRequest("'stream' must be a boolean", "stream")
-    so = body.get("stream_options")
-    if so is not None:
-        if not isinstance(so, dict):
-            raise BadRequest("'stream_options' must be an object", "stream_options")
-        if not stream:
-            raise BadRequest("'stream_options' is only allowed when 'stream' is true", "stream_options")
-    if "kv_transfer_params" in body:
-        raise BadRequest("'kv_transfer_params' is set by the gateway, not by clients", "kv_transfer_params")
+def parse_json(raw: bytes) -> Any:
+    """The JSON document of a request body; InvalidRequest when it is not JSON (bad UTF-8 too) or nests beyond
+    Python's stack."""
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError) as exc:
+        raise InvalidRequest(f"invalid request: the body is not valid JSON ({type(exc).__name__})") from None
 
 
 def request_id_of(header: str | None) -> str:
@@ -276,21 +268,37 @@ class RateLimiter:
         return (1.0 - tokens) / self.rate
 
 
-class BodyTooLarge(Exception):
-    pass
+class BodyRefused(Exception):
+    """A request body past the size limit (413) or not received in time (408)."""
+
+    def __init__(self, status: int, message: str, code: str) -> None:
+        super().__init__(message)
+        self.status, self.code = status, code
+
+    def response(self) -> JSONResponse:
+        """The error, closing the connection (the rest of the body is never read)."""
+        resp = error_response(self.status, str(self), self.code)
+        resp.headers["connection"] = "close"
+        return resp
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The request body, refusing (BodyTooLarge) past `limit` bytes without reading the rest."""
+async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
+    """The request body, however it is framed (Content-Length or chunked); BodyRefused past `limit` bytes
+    (without reading the rest) or when it has not all arrived within `timeout_s`."""
+    too_large = BodyRefused(413, f"request body over {limit} bytes", "request_too_large")
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise BodyTooLarge
+        raise too_large
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise BodyTooLarge
-        chunks.append(chunk)
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise too_large
+                chunks.append(chunk)
+    except TimeoutError:
+        raise BodyRefused(408, f"request body not received within {timeout_s:g} s", "request_timeout") from None
     return b"".join(chunks)
 
 
@@ -326,7 +334,7 @@ class Gateway:
         self.sem = asyncio.Semaphore(config.max_concurrency)
         self.waiting = 0
         self.active = 0
-        self.http: Http1Pool | None = None
+        self.http: UpstreamPool | None = None
         self.probe_client: httpx.AsyncClient | None = None
         self.metrics = CollectorRegistry()
         self.requests = Counter(
@@ -361,26 +369,23 @@ class Gateway:
             self.upstream_headers["Authorization"] = f"Bearer {config.upstream_api_key}"
 
     def principal(self, request: Request) -> str:
-        """Who sends `request`: the digest of its API key; BadRequest(401) without a valid key when keys are
-        configured (else the client address)."""
+        """Who sends `request` (rate limits): the digest of its API key when keys are configured (`AccessGuard`
+        let it in), else the client address."""
         if not self.config.api_key_digests:
             return request.client.host if request.client else "?"
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        digest = key_digest(token.strip()) if scheme.lower() == "bearer" else ""
-        if digest not in self.config.api_key_digests:
-            raise BadRequest(
-                "Incorrect API key provided: send `Authorization: Bearer KEY`",
-                status=401,
-                code="invalid_api_key",
-            )
-        return digest
+        return key_digest(bearer_token(request.headers.get("authorization", "")))
 
     # --- lifecycle ----------------------------------------------------------------------------------
     async def open(self) -> None:
-        """Upstream requests go through a lean keep-alive HTTP/1.1 pool (`http1`: a fraction of httpx's
-        per-request cost); health probes through httpx."""
+        """Upstream requests go through a keep-alive pool (`http1`: a fraction of httpx's per-request cost, or
+        aiohttp's client, per `upstream_client`); health probes through httpx."""
         c = self.config
-        self.http = Http1Pool(c.connect_timeout_s, c.request_timeout_s, max_idle=c.max_concurrency)
+        if c.upstream_client == "aiohttp":
+            from coral.runtime.aiohttp_pool import AiohttpPool
+
+            self.http = AiohttpPool(c.connect_timeout_s, c.request_timeout_s, max_idle=c.max_concurrency)
+        else:
+            self.http = Http1Pool(c.connect_timeout_s, c.request_timeout_s, max_idle=c.max_concurrency)
         self.probe_client = httpx.AsyncClient(timeout=c.health_timeout_s)
 
     async def close(self) -> None:
@@ -390,7 +395,7 @@ class Gateway:
             await self.probe_client.aclose()
         self.http = self.probe_client = None
 
-    def pool(self) -> Http1Pool:
+    def pool(self) -> UpstreamPool:
         if self.http is None:
             raise RuntimeError("gateway is not open (its app lifespan has not started)")
         return self.http
@@ -452,13 +457,19 @@ class Gateway:
         if isinstance(exc, OSError):
             ep.healthy = False  # passive health: the probe loop brings it back
 
+    def timeout_s(self, model: str, phase: str) -> float:
+        """How long an instance of (model, phase) may take between reads of its answer."""
+        t = self.config.prefill_timeout_s.get(model) if phase == "prefill" else None
+        return t or self.config.request_timeout_s
+
     async def open_stream(
         self, model: str, phase: str, path: str, body: bytes, rid: str, request_class: str | None = None
-    ) -> tuple[Endpoint, Http1Response, AsyncIterator[bytes]]:
+    ) -> tuple[Endpoint, UpstreamResponse, AsyncIterator[bytes]]:
         """Send `body` (JSON bytes, request id `rid`, length class `request_class`) to an instance of the pool
-        and read its first chunk, retrying on other instances on failure before that chunk. Returns the
-        endpoint, the response and its whole body as chunks; the caller owns the response and the endpoint's
-        in-flight slot."""
+        and read its first chunk, retrying on other instances on failure before that chunk (not after a
+        timeout: see `timeout_s`). Returns the endpoint, the response and its whole body as chunks; the caller
+        owns the response and the endpoint's in-flight slot."""
+        timeout = self.timeout_s(model, phase)
         tried: set[str] = set()
         last = "no routable instance"
         for _ in range(self.config.max_attempts):
@@ -466,10 +477,10 @@ class Gateway:
             if ep is None:
                 break
             tried.add(ep.id)
-            resp: Http1Response | None = None
+            resp: UpstreamResponse | None = None
             try:
                 headers = {**self.upstream_headers, "X-Request-Id": rid}
-                resp = await self.pool().post(ep.url, path, body, headers)
+                resp = await self.pool().post(ep.url, path, body, headers, timeout)
                 if resp.status_code >= 500:
                     last = f"{ep.id}: HTTP {resp.status_code}"
                     await resp.aclose()
@@ -478,6 +489,12 @@ class Gateway:
                 it = resp.aiter_raw()
                 first = await anext(it, None)
                 return ep, resp, _chain(first, it)
+            except UpstreamTimeout:  # the instance may still be working on it: not sent to another one
+                if resp is not None:
+                    await resp.aclose()
+                self._fail(ep, None)
+                ep.ejected_until = time.monotonic() + self.config.eject_s
+                raise UpstreamError(504, f"{model} {phase}: {ep.id} did not answer within {timeout:g} s") from None
             except OSError as exc:
                 cause = exc.__cause__
                 last = f"{ep.id}: {type(exc).__name__}" + (f" ({type(cause).__name__})" if cause else "")
@@ -592,6 +609,41 @@ def _sse_error(message: str) -> bytes:
     return f"data: {json.dumps(error_body(message, 'server_error', code='upstream_error'))}\n\n".encode()
 
 
+class AccessGuard:
+    """ASGI middleware: when `GatewayConfig.guarded`, every request but `OPEN_PATHS` needs a credential the
+    config `allows` for its method and path (`Authorization: Bearer`, the scheme in any case; under
+    /dashboard also the `TOKEN_COOKIE`, set by `GET /dashboard?token=TOKEN`), else 401 in OpenAI's shape."""
+
+    def __init__(self, app: Callable[[Scope, Receive, Send], Awaitable[None]], gateway: Gateway) -> None:
+        self.app, self.gw = app, gateway
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        config = self.gw.config
+        if scope["type"] != "http" or not config.guarded or scope["path"] in OPEN_PATHS:
+            return await self.app(scope, receive, send)
+        path, method = scope["path"], scope["method"]
+        token = bearer_token(Headers(scope=scope).get("authorization", ""))
+        cookie = ""
+        if not token and path.startswith("/dashboard"):
+            conn = HTTPConnection(scope)
+            cookie = conn.query_params.get("token", "") if path == "/dashboard" else ""
+            token = cookie or conn.cookies.get(TOKEN_COOKIE, "")
+        if not config.allows(key_digest(token), method, path):
+            self.gw.requests.labels("", "unauthorized").inc()
+            msg = "Incorrect API key or token provided: send `Authorization: Bearer KEY`"
+            return await error_response(401, msg, "invalid_api_key")(scope, receive, send)
+        if not cookie:
+            return await self.app(scope, receive, send)
+        value = f"{TOKEN_COOKIE}={cookie}; HttpOnly; SameSite=Strict; Path=/dashboard"
+
+        async def send_with_cookie(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), (b"set-cookie", value.encode())]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_cookie)
+
+
 def install_openai_errors(app: FastAPI) -> None:
     """Unknown routes, wrong methods and parameter errors answer in OpenAI's error shape."""
 
@@ -601,6 +653,10 @@ def install_openai_errors(app: FastAPI) -> None:
             msg = f"Invalid URL ({request.method} {request.url.path})"
             return error_response(404, msg, "unknown_url")
         return error_response(exc.status_code, str(exc.detail), None)
+
+    @app.exception_handler(Exception)
+    async def server_error(_request: Request, exc: Exception) -> JSONResponse:
+        return error_response(500, f"internal error: {type(exc).__name__}", "internal_error")
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -634,6 +690,7 @@ def create_gateway_app(
 
     app = FastAPI(title="coral gateway", lifespan=lifespan)
     app.state.gateway = gw
+    app.add_middleware(AccessGuard, gateway=gw)
     install_openai_errors(app)
     for r in extra_routers:
         app.include_router(r)
@@ -642,13 +699,9 @@ def create_gateway_app(
         return {"id": model, "object": "model", "created": created, "owned_by": "coral"}
 
     def guarded(request: Request) -> JSONResponse | None:
-        """401 without a valid key, 429 past the key's rate; None when the request may go on."""
-        try:
-            who = gw.principal(request)
-        except BadRequest as exc:
-            gw.requests.labels("", "unauthorized").inc()
-            return error_response(exc.status, str(exc), exc.code)
-        wait = gw.limiter.wait_s(who)
+        """429 past the key's rate (`AccessGuard` already refused requests without a valid key); None when the
+        request may go on."""
+        wait = gw.limiter.wait_s(gw.principal(request))
         if wait > 0:
             gw.requests.labels("", "rate_limited").inc()
             return error_response(
@@ -685,23 +738,24 @@ def create_gateway_app(
         if (denied := guarded(request)) is not None:
             return denied
         try:
-            raw = await read_body(request, gw.config.max_body_bytes)
-        except BodyTooLarge:
-            gw.requests.labels("", "too_large").inc()
-            limit = gw.config.max_body_bytes
-            return error_response(413, f"request body over {limit} bytes", "request_too_large")
+            raw = await read_body(request, gw.config.max_body_bytes, gw.config.body_timeout_s)
+        except BodyRefused as exc:
+            gw.requests.labels("", "too_large" if exc.status == 413 else "body_timeout").inc()
+            return exc.response()
         try:
-            try:
-                body = json.loads(raw)
-            except (ValueError, RecursionError) as exc:  # bad UTF-8 too; nesting beyond Python's stack
-                raise BadRequest(f"invalid request: the body is not valid JSON ({exc})") from None
-            validate_request(body, chat)
-        except BadRequest as exc:
+            body = parse_json(raw)
+            parse_request(body, chat)
+        except InvalidRequest as exc:
             gw.requests.labels("", "bad_request").inc()
-            return error_response(exc.status, str(exc), exc.code, exc.param)
+            return error_response(400, str(exc), None, exc.param)
+        if (n := prompt_tokens(body, MAX_CHARS_PER_TOKEN)) > gw.config.max_prompt_tokens:
+            gw.requests.labels("", "too_long").inc()
+            msg = f"the prompt has at least {n:.0f} tokens, over the context of {gw.config.max_prompt_tokens}"
+            param = "messages" if chat else "prompt"
+            return error_response(400, msg, "context_length_exceeded", param)
         model = body["model"]
         if model not in registry.models():
-            gw.requests.labels(model, "unknown_model").inc()
+            gw.requests.labels(UNKNOWN_MODEL, "unknown_model").inc()
             msg = f"The model '{model}' does not exist; see /v1/models"
             return error_response(404, msg, "model_not_found", "model")
         prefill_first, answer_phase = gw.pd_pools(model)
@@ -728,7 +782,9 @@ def create_gateway_app(
                 try:
                     pre_body = json.dumps(pre).encode()
                     status, answer, _ = await gw.call(model, "prefill", path, pre_body, rid, cls)
-                except UpstreamError:  # no prefill instance answered: the decode instance prefills locally
+                except UpstreamError as exc:  # no prefill instance answered: the decode instance prefills locally
+                    if exc.status == 504:  # ... unless one took the request and timed out: not sent elsewhere
+                        raise
                     gw.pd_fallbacks.labels(model).inc()
                     status, answer = 0, b""
                 if status >= 400:

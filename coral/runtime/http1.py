@@ -1,12 +1,14 @@
 """Lean HTTP/1.1 client for the gateway's upstream POSTs: a keep-alive connection pool per host on asyncio
 streams, Content-Length and chunked bodies. A fraction of httpx's per-request Python (no anyio, no h11, one
 buffer per message). Every failure (connect, reset, timeout, malformed answer) raises `UpstreamConnectionError`,
-an OSError; a request on a reused connection that the server closed meanwhile is sent again on a new one."""
+an OSError (`UpstreamTimeout` when the request was sent and no answer came in time); a request on a reused
+connection that the server closed meanwhile is sent again on a new one."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from typing import Protocol
 from urllib.parse import urlsplit
 
 Conn = tuple[asyncio.StreamReader, asyncio.StreamWriter]
@@ -16,24 +18,58 @@ class UpstreamConnectionError(ConnectionError):
     """The upstream could not be reached or broke off its answer."""
 
 
+class UpstreamTimeout(UpstreamConnectionError):
+    """The upstream took the request and sent nothing within the read timeout (it may still be working on it)."""
+
+
+class UpstreamResponse(Protocol):
+    """An upstream answer as the gateway reads it (`Http1Response`, `aiohttp_pool.AiohttpResponse`)."""
+
+    status_code: int
+    headers: dict[str, str]
+
+    def aiter_raw(self) -> AsyncIterator[bytes]: ...
+
+    async def aclose(self) -> None: ...
+
+
+class UpstreamPool(Protocol):
+    """A keep-alive client for the gateway's upstream POSTs (`Http1Pool`, `aiohttp_pool.AiohttpPool`)."""
+
+    async def post(
+        self, base_url: str, path: str, body: bytes, headers: dict[str, str], timeout_s: float | None = None
+    ) -> UpstreamResponse:
+        """POST `body`; `timeout_s` (default: the pool's read timeout) bounds each read of the answer."""
+        ...
+
+    async def aclose(self) -> None: ...
+
+
 class Http1Response:
     """Status and headers of an answer whose body is read with `aiter_raw` (once); `aclose` frees the
     connection (back to the pool when the body was read in full and the server keeps it alive)."""
 
     def __init__(
-        self, pool: Http1Pool, key: tuple[str, int], conn: Conn, status: int, headers: dict[str, str]
+        self,
+        pool: Http1Pool,
+        key: tuple[str, int],
+        conn: Conn,
+        status: int,
+        headers: dict[str, str],
+        read_timeout_s: float,
     ):
         self.pool, self.key, self.conn = pool, key, conn
+        self.read_timeout_s = read_timeout_s
         self.status_code = status
         self.headers = headers
         self._done = False
 
     async def aiter_raw(self) -> AsyncIterator[bytes]:
-        reader, timeout = self.conn[0], self.pool.read_timeout_s
+        reader, timeout = self.conn[0], self.read_timeout_s
         try:
             if self.status_code in (204, 304) or self.status_code < 200:
                 pass  # no body
-            elif "chunked" in self.headers.get("transfer-encoding", ""):
+            elif "chunked" in self.headers.get("transfer-encoding", "").lower():
                 while True:
                     async with asyncio.timeout(timeout):
                         size = int((await reader.readuntil(b"\r\n")).split(b";")[0], 16)
@@ -57,6 +93,8 @@ class Http1Response:
                 while data := await reader.read(1 << 16):
                     yield data
             self._done = True
+        except TimeoutError as exc:
+            raise UpstreamTimeout(f"no data within {timeout:g} s") from exc
         except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError) as exc:
             raise UpstreamConnectionError(f"malformed or cut answer ({type(exc).__name__})") from exc
 
@@ -94,8 +132,11 @@ class Http1Pool:
         else:
             conn[1].close()
 
-    async def post(self, base_url: str, path: str, body: bytes, headers: dict[str, str]) -> Http1Response:
+    async def post(
+        self, base_url: str, path: str, body: bytes, headers: dict[str, str], timeout_s: float | None = None
+    ) -> Http1Response:
         host, port, netloc = self._target(base_url)
+        read = timeout_s or self.read_timeout_s
         key = (host, port)
         head = b"".join(
             [
@@ -122,8 +163,12 @@ class Http1Pool:
                 if reader.at_eof():
                     raise ConnectionResetError("idle connection closed by the server")
                 writer.write(head + body)
-                async with asyncio.timeout(self.read_timeout_s):
-                    raw = await reader.readuntil(b"\r\n\r\n")
+                try:
+                    async with asyncio.timeout(read):
+                        raw = await reader.readuntil(b"\r\n\r\n")
+                except TimeoutError as exc:
+                    conn[1].close()
+                    raise UpstreamTimeout(f"{host}:{port}: no answer within {read:g} s") from exc
                 lines = raw.decode("latin-1").split("\r\n")
                 status = int(lines[0].split(" ", 2)[1])
                 fields = {}
@@ -131,7 +176,9 @@ class Http1Pool:
                     if line:
                         k, _, v = line.partition(":")
                         fields[k.strip().lower()] = v.strip()
-                return Http1Response(self, key, conn, status, fields)
+                return Http1Response(self, key, conn, status, fields, read)
+            except UpstreamTimeout:
+                raise
             except (
                 OSError,
                 asyncio.IncompleteReadError,

@@ -16,6 +16,7 @@ shares follow its weights while a slow or stalled instance stops receiving work.
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -48,6 +49,8 @@ class Endpoint:
     credits: dict[str | None, float] = field(default_factory=dict)
     """Smooth-WRR credit per request class (None: plain weights)."""
     health_failures: int = 0
+    ejected_until: float = 0.0
+    """`time.monotonic()` until which the gateway sends it nothing (a request timed out on it)."""
 
     def weight_for(self, request_class: str | None) -> float:
         """Router weight for a request of `request_class` (None: no class)."""
@@ -55,7 +58,7 @@ class Endpoint:
 
     @property
     def routable(self) -> bool:
-        return self.state is InstanceState.READY and self.healthy
+        return self.state is InstanceState.READY and self.healthy and time.monotonic() >= self.ejected_until
 
 
 @dataclass

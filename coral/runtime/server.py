@@ -1,19 +1,115 @@
-"""Run an ASGI app with uvicorn in a background thread on loopback (tests, emulated engines, `coral serve`)."""
+"""uvicorn for Coral's servers: bounded header reads and shutdown (`server_config`, `DrainingServer`), and
+`ServerThread`, an app served in a background thread on loopback (tests, emulated engines).
+
+uvicorn bounds neither the time a client may take to send a request's headers (a connection that sends a few
+bytes and stalls is held forever) nor, by default, a graceful shutdown (stuck requests keep the process alive).
+Here a connection whose request headers are not complete within `header_timeout_s` of its first byte (or of
+its opening) is closed, bodies are bounded by the apps (`coral.runtime.gateway.read_body`), and a shutdown
+waits at most `grace_s` for requests in flight; a second SIGTERM or SIGINT during that wait exits at once.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import threading
 import time
+from types import FrameType
 from typing import Any
 
 import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from coral.catalog.loader import CoralInputError
 
 KEEP_ALIVE_S = 75
 """Idle keep-alive connections are closed after this (uvicorn's 5 s default races with clients reusing a
 connection while the event loop lags under load: the request is dropped unanswered)."""
+HEADER_TIMEOUT_S = 10.0
+GRACE_S = 30.0
+
+
+class _HeaderTimeout:
+    """Protocol mixin: close a connection whose request headers are not complete `header_timeout_s` after it
+    opened, or after the first byte of a next request on a kept-alive connection."""
+
+    header_timeout_s: float
+    cycle: Any
+    loop: asyncio.AbstractEventLoop
+    transport: asyncio.Transport
+    _header_timer: asyncio.TimerHandle | None = None
+
+    def _arm(self) -> None:
+        waiting_for = self.cycle
+
+        def expire() -> None:
+            self._header_timer = None
+            if self.cycle is waiting_for and not self.transport.is_closing():
+                self.transport.close()
+
+        self._header_timer = self.loop.call_later(self.header_timeout_s, expire)
+
+    def connection_made(self, transport: asyncio.Transport) -> None:
+        super().connection_made(transport)  # type: ignore[misc]
+        self._arm()
+
+    def data_received(self, data: bytes) -> None:
+        if self._header_timer is None and (self.cycle is None or self.cycle.response_complete):
+            self._arm()
+        super().data_received(data)  # type: ignore[misc]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+        super().connection_lost(exc)  # type: ignore[misc]
+
+
+def http_protocol(http: str, header_timeout_s: float) -> type[asyncio.Protocol]:
+    """uvicorn's HTTP/1.1 protocol `http` ("auto": httptools when installed, else h11) with the header timeout."""
+    base: type[asyncio.Protocol] = H11Protocol
+    if http in ("auto", "httptools"):
+        try:
+            from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+        except ImportError:
+            if http == "httptools":
+                raise
+        else:
+            base = HttpToolsProtocol
+    return type(f"Bounded{base.__name__}", (_HeaderTimeout, base), {"header_timeout_s": header_timeout_s})
+
+
+def server_config(
+    app: Any,
+    host: str,
+    port: int,
+    log_level: str = "warning",
+    http: str = "auto",
+    loop: str = "auto",
+    header_timeout_s: float = HEADER_TIMEOUT_S,
+    grace_s: float = GRACE_S,
+) -> uvicorn.Config:
+    return uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        lifespan="on",
+        timeout_graceful_shutdown=max(1, round(grace_s)),
+        timeout_keep_alive=KEEP_ALIVE_S,
+        http=http_protocol(http, header_timeout_s),
+        loop=loop,
+    )
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server with a second signal forcing the exit (uvicorn forces only on a second SIGINT) and
+    no signal re-raised after the shutdown, so the caller's cleanup (stopping engines) runs."""
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self.should_exit:
+            self.force_exit = True
+        self.should_exit = True
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -34,21 +130,13 @@ class ServerThread:
         log_level: str = "warning",
         http: str = "auto",
         loop: str = "auto",
+        header_timeout_s: float = HEADER_TIMEOUT_S,
+        grace_s: float = 2.0,
     ) -> None:
         """`http`/`loop`: uvicorn's implementations ("auto" takes httptools/uvloop when installed)."""
         self.host = host
         self.port = port or free_port(host)
-        config = uvicorn.Config(
-            app,
-            host=host,
-            port=self.port,
-            log_level=log_level,
-            lifespan="on",
-            timeout_graceful_shutdown=2,
-            timeout_keep_alive=KEEP_ALIVE_S,
-            http=http,
-            loop=loop,
-        )
+        config = server_config(app, host, self.port, log_level, http, loop, header_timeout_s, grace_s)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, name=f"uvicorn-{self.port}", daemon=True)
 

@@ -2,7 +2,7 @@
 measures TTFT/TPOT, SLO attainment, goodput, cost and GPU utilisation without GPUs."""
 
 from coral.simulation.availability import AvailabilitySchedule, load_availability
-from coral.simulation.engine import ModelDemand, ObservedDemand, Replanner
+from coral.simulation.engine import ModelDemand, ObservedDemand, ObservedLatency, Replanner
 from coral.simulation.metrics import SimResult
 from coral.simulation.run import simulate
 from coral.workload.traces import RequestSet, load_azure, load_burstgpt, rescale, synthetic, workload_for
@@ -11,6 +11,7 @@ __all__ = [
     "AvailabilitySchedule",
     "ModelDemand",
     "ObservedDemand",
+    "ObservedLatency",
     "Replanner",
     "RequestSet",
     "SimResult",

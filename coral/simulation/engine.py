@@ -213,16 +213,31 @@ class ModelDemand:
 
 
 @dataclass(frozen=True)
+class ObservedLatency:
+    """Latencies (seconds) of one model's requests that arrived in an observation window, as known when it is
+    read: TTFT (still waiting: the wait so far) and mean TPOT (still decoding: the time per token so far over
+    all of its tokens; NaN before the first token or with fewer than 2 output tokens)."""
+
+    ttft_s: np.ndarray
+    tpot_s: np.ndarray
+
+
+@dataclass(frozen=True)
 class ObservedDemand:
     """What a re-planner sees at the start of an epoch: demand over [start_s, end_s) — the previous epoch (for
     epoch 0, the scenario's forecast, start_s = end_s = 0) or, with an oracle forecast, the coming one — and
-    the node availability now in force (None = the scenario's own)."""
+    the node availability now in force (None = the scenario's own). `series` splits the window's demand into
+    consecutive intervals of `interval_s` (the last one possibly shorter); `latency` holds the window's observed
+    latencies per model (empty for the scenario's forecast and for an oracle's coming epoch)."""
 
     epoch: int
     start_s: float
     end_s: float
     models: dict[str, ModelDemand]
     availability: dict[str, dict[str, int]] | None = None
+    interval_s: float = 0.0
+    series: dict[str, list[ModelDemand]] = field(default_factory=dict)
+    latency: dict[str, ObservedLatency] = field(default_factory=dict)
 
 
 Replanner = Callable[[int, ObservedDemand, Plan | None], Plan]

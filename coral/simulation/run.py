@@ -12,7 +12,7 @@ from coral.catalog.loader import Catalog, CoralInputError, builtin_catalog
 from coral.catalog.schema import Scenario
 from coral.perf.roofline import RooflineModel
 from coral.simulation.availability import AvailabilitySchedule
-from coral.simulation.engine import Engine, ModelDemand, ObservedDemand, Replanner
+from coral.simulation.engine import Engine, ModelDemand, ObservedDemand, ObservedLatency, Replanner
 from coral.simulation.kernels import KernelCache
 from coral.simulation.metrics import SimResult, collect
 from coral.workload.traces import RequestSet, workload_for
@@ -56,6 +56,7 @@ def simulate(
     handover: bool = True,
     forecast: Literal["previous", "oracle"] = "previous",
     kv_reserve: Literal["mean", "max"] = "mean",
+    interval_s: float = 60.0,
 ) -> SimResult:
     """Serve `requests` (default: the scenario's traces, seeded) for `duration_s` with a fixed plan, or with
     `replan(epoch, observed_demand, running_plan) -> Plan` called at the start of every epoch (epoch 0 sees
@@ -63,10 +64,11 @@ def simulate(
     to finish, after which they count as unfinished. With `handover`, an instance a re-plan removes keeps
     serving until the new instances of its (model, phase) are ready, then drains; without, it drains at once.
     `forecast` is the demand a re-planner is shown: the previous epoch's ("previous") or the coming epoch's
-    actual demand ("oracle", a perfect forecast, for comparison). `kv_reserve` is the KV a decoding request is
-    charged: prompt + half its output ("mean", a paged cache's average) or prompt + output ("max")."""
-    if duration_s <= 0:
-        raise CoralInputError("duration_s must be > 0")
+    actual demand ("oracle", a perfect forecast, for comparison), with its demand per `interval_s` and, for the
+    previous epoch, the latencies observed so far (`ObservedDemand`). `kv_reserve` is the KV a decoding request
+    is charged: prompt + half its output ("mean", a paged cache's average) or prompt + output ("max")."""
+    if duration_s <= 0 or interval_s <= 0:
+        raise CoralInputError("duration_s and interval_s must be > 0")
     if forecast not in ("previous", "oracle"):
         raise CoralInputError(f"forecast must be 'previous' or 'oracle', not {forecast!r}")
     t_wall = time.perf_counter()
@@ -84,9 +86,10 @@ def simulate(
     inp = np.concatenate([r.input_tokens for _, r in parts]) if parts else np.zeros(0, int)
     out = np.concatenate([r.output_tokens for _, r in parts]) if parts else np.zeros(0, int)
     order = np.lexsort((model_of, arrival))
+    arrival, model_of, inp, out = arrival[order], model_of[order], inp[order], out[order]
     kernels = KernelCache(scenario, catalog, perf)
     engine = Engine(
-        kernels, names, arrival[order], model_of[order], inp[order], out[order],
+        kernels, names, arrival, model_of, inp, out,
         router=router, startup_delay_s=startup_delay_s, horizon_s=duration_s + drain_limit_s, handover=handover,
         kv_reserve=kv_reserve,
     )
@@ -94,17 +97,42 @@ def simulate(
     def demand_of(epoch: int) -> ObservedDemand:
         window = epoch - 1 if forecast == "previous" else epoch
         a, b = window * epoch_s, (window + 1) * epoch_s
-        sel = (arrival >= a) & (arrival < b)
-        span = max(b - a, 1e-9)
-        models = {
-            m: ModelDemand(
-                float((sel & (model_of == i)).sum() / span),
-                float(inp[sel & (model_of == i)].sum() / span),
-                float(out[sel & (model_of == i)].sum() / span),
-            )
-            for i, m in enumerate(names)
-        }
-        return ObservedDemand(epoch, a, b, models, availability.at(epoch * epoch_s) if availability else None)
+        lo, hi = (int(x) for x in np.searchsorted(arrival, [a, b]))
+        mod, t_in, t_out = model_of[lo:hi], inp[lo:hi], out[lo:hi]
+        cut = np.append(np.arange(a, b, interval_s), b)
+        slot = np.searchsorted(cut, arrival[lo:hi], side="right") - 1
+        span = np.diff(cut)
+
+        def per_interval(sel: np.ndarray) -> list[ModelDemand]:
+            count = np.bincount(slot[sel], minlength=len(span))
+            pre = np.bincount(slot[sel], weights=t_in[sel], minlength=len(span))
+            dec = np.bincount(slot[sel], weights=t_out[sel], minlength=len(span))
+            return [ModelDemand(float(c / d), float(p / d), float(o / d))
+                    for c, p, o, d in zip(count, pre, dec, span, strict=True)]
+
+        models: dict[str, ModelDemand] = {}
+        series: dict[str, list[ModelDemand]] = {}
+        for i, m in enumerate(names):
+            sel = mod == i
+            models[m] = ModelDemand(float(sel.sum() / (b - a)), float(t_in[sel].sum() / (b - a)),
+                                    float(t_out[sel].sum() / (b - a)))
+            series[m] = per_interval(sel)
+        return ObservedDemand(epoch, a, b, models, availability.at(epoch * epoch_s) if availability else None,
+                              interval_s, series, observed_latency(lo, hi, epoch * epoch_s) if window < epoch else {})
+
+    def observed_latency(lo: int, hi: int, now: float) -> dict[str, ObservedLatency]:
+        """Latencies of requests lo..hi as known at `now` (see `ObservedLatency`)."""
+        first = np.array(engine.t_first[lo:hi])
+        done = np.array(engine.t_done[lo:hi])
+        arrived, mod = arrival[lo:hi], model_of[lo:hi]
+        ttft = np.where(np.isnan(first), now, first) - arrived
+        tokens = out[lo:hi] - 1
+        tpot = np.where(tokens > 0, (np.where(np.isnan(done), now, done) - first) / np.maximum(tokens, 1), np.nan)
+        seen: dict[str, ObservedLatency] = {}
+        for i, m in enumerate(names):
+            sel = mod == i
+            seen[m] = ObservedLatency(ttft[sel], tpot[sel])
+        return seen
 
     if isinstance(plan_or_replanner, Plan):
         first, replan = plan_or_replanner, None

@@ -12,12 +12,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from coral.catalog.loader import Catalog, CoralInputError, NodeConfig, builtin_catalog
+from coral.catalog.loader import Catalog, CoralInputError, NodeConfig, market_catalog
 from coral.catalog.schema import ModelArch, Scenario
 from coral.perf.model import Phase, Workload
 from coral.perf.roofline import RooflineModel
 from coral.templates.library import Stage, TemplateLibrary, dominated_rows
 from coral.templates.placement import coupled_rates, set_partitions, solve_node_sets
+from coral.templates.store import fingerprint
 
 CHUNK = 8192
 ChunkTask = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]
@@ -297,7 +298,7 @@ def build_library(
 ) -> TemplateLibrary:
     """All templates of every (model, phase) of `scenario`. Raises CoralInputError for a model that fits on no
     allowed node combination."""
-    catalog = catalog or builtin_catalog()
+    catalog = catalog or market_catalog(scenario)
     perf = perf or RooflineModel()
     jobs = scenario_jobs(scenario, catalog, models)
     t0 = time.perf_counter()
@@ -319,6 +320,8 @@ def build_library(
         "build_seconds": f"{time.perf_counter() - t0:.3f}",
         "filter": "custom" if stage_filter else "none",
         "prices": json.dumps({r: catalog.prices(r) for r in scenario.regions}),
+        "fingerprint": json.dumps(fingerprint(scenario, catalog, perf, models)),
+        "perf_source": "default" if perf.params == RooflineModel().params else "custom",
     }
     lib, stats = results_to_library(results, scenario.configs, meta, stage_filter)
     _check_every_job_served(jobs, stats)

@@ -6,16 +6,19 @@ import json
 import os
 import sqlite3
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, TypeVar, cast
 
 import numpy as np
 
 from coral.catalog.loader import CoralInputError
 from coral.perf.model import Phase
+from coral.templates.dominance import undominated
 
 LIBRARY_FORMAT = 1
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -81,6 +84,7 @@ class TemplateLibrary:
     dominated: np.ndarray  # (N,) bool
     meta: dict[str, str] = field(default_factory=dict)
     path: Path | None = None
+    _memo: dict[Hashable, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __len__(self) -> int:
         return int(self.throughput.shape[0])
@@ -127,16 +131,32 @@ class TemplateLibrary:
         lib.dominated = dominated_rows(lib)
         return lib
 
+    def memo(self, key: Hashable, make: Callable[[], T]) -> T:
+        """`make()` computed once per library object and `key` (what the online stage derives from a library
+        and reuses on every re-plan: undominated rows, the availability estimate)."""
+        if key not in self._memo:
+            self._memo[key] = make()
+        return cast(T, self._memo[key])
+
     # --- queries --------------------------------------------------------------------------------------
     def keys(self) -> list[tuple[str, Phase]]:
         seen = dict.fromkeys(zip(self.model.tolist(), self.phase.tolist(), strict=True))
         return [(m, Phase(p)) for m, p in seen]
 
     def select(self, model: str, phase: Phase | str, include_dominated: bool = True) -> np.ndarray:
-        mask = (self.model == model) & (self.phase == str(phase))
-        if not include_dominated:
-            mask &= ~self.dominated
-        return np.flatnonzero(mask)
+        """Row ids of one (model, phase), ascending (the grouping is computed once per library object)."""
+        rows = self.memo("rows_by_key", self._rows_by_key).get((model, str(phase)), np.zeros(0, dtype=np.int64))
+        return rows if include_dominated else rows[~self.dominated[rows]]
+
+    def _rows_by_key(self) -> dict[tuple[str, str], np.ndarray]:
+        """Rows per (model, phase), from the runs of equal keys (a built library stores each key contiguously)."""
+        if not len(self):
+            return {}
+        edge = np.flatnonzero((self.model[1:] != self.model[:-1]) | (self.phase[1:] != self.phase[:-1])) + 1
+        runs: dict[tuple[str, str], list[np.ndarray]] = {}
+        for a, b in zip(np.r_[0, edge], np.r_[edge, len(self)], strict=True):
+            runs.setdefault((str(self.model[a]), str(self.phase[a])), []).append(np.arange(a, b))
+        return {k: np.concatenate(v) for k, v in runs.items()}
 
     def costs(self, prices: dict[str, float]) -> np.ndarray:
         """$/h of every template in a region (inf where a config it uses is not offered)."""
@@ -184,7 +204,9 @@ class TemplateLibrary:
         )
 
     def subset(self, rows: np.ndarray) -> TemplateLibrary:
-        """A library holding only `rows` (renumbered from 0)."""
+        """A library holding only `rows` (renumbered from 0). The `dominated` flags are kept: they stay exact
+        when `rows` keeps every dominator of a kept row (e.g. all single-config rows); otherwise recompute them
+        with `dominated_rows`."""
         cols = {name: getattr(self, name)[rows] for name in _ROW_COLUMNS}
         return TemplateLibrary(configs=list(self.configs), meta=dict(self.meta), **cols)
 
@@ -255,34 +277,10 @@ _ROW_COLUMNS = (
 
 
 def dominated_rows(lib: TemplateLibrary) -> np.ndarray:
-    """True where some proper sub-multiset of a template's nodes is a template of the same (model, phase)
-    with no less throughput: that template is never needed (it uses more of every resource for no gain)."""
+    """True where a template is never needed: within its (model, phase), a proper sub-multiset of its nodes is a
+    template with no less throughput, or an identical node multiset has more (`dominance.undominated`)."""
     out = np.zeros(len(lib), dtype=bool)
-    if not len(lib):
-        return out
-    base = int(lib.counts.max()) + 2
-    weights = base ** np.arange(lib.counts.shape[1], dtype=np.int64)
     for m, p in lib.keys():
         rows = lib.select(m, p)
-        counts = lib.counts[rows].astype(np.int64)
-        keys = counts @ weights
-        order = np.argsort(keys)
-        skeys = keys[order]
-        thr = lib.throughput[rows]
-        best_sub = np.zeros(len(rows))  # best throughput among proper sub-multisets present in the library
-        size = counts.sum(axis=1)
-        for k in range(2, int(size.max()) + 1 if len(size) else 0):
-            at = np.flatnonzero(size == k)
-            for c in range(counts.shape[1]):
-                has = at[counts[at, c] > 0]
-                if not len(has):
-                    continue
-                sub_keys = keys[has] - weights[c]
-                pos = np.clip(np.searchsorted(skeys, sub_keys), 0, len(skeys) - 1)
-                found = skeys[pos] == sub_keys
-                sub_rows = order[pos[found]]
-                cand = np.maximum(thr[sub_rows], best_sub[sub_rows])
-                tgt = has[found]
-                np.maximum.at(best_sub, tgt, cand)
-        out[rows] = best_sub >= thr * (1 - 1e-12)
+        out[rows] = ~undominated(lib.counts[rows], lib.throughput[rows])
     return out

@@ -4,6 +4,8 @@ rate rescaling, and the per-model workload of a scenario (built from the shipped
 from __future__ import annotations
 
 import csv
+import functools
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -235,9 +237,54 @@ def tile(requests: RequestSet, duration_s: float, seed: int) -> RequestSet:
     ).until(duration_s)
 
 
+def _from_time(requests: RequestSet, start_s: float, duration_s: float) -> RequestSet:
+    """The trace read from `start_s` of its span on, wrapping around (circularly), for `duration_s`."""
+    span = requests.span_s
+    t = (requests.arrival_s - requests.arrival_s[0] - start_s) % span
+    order = np.argsort(t, kind="stable")
+    reps = max(1, math.ceil(duration_s / span))
+    times = np.concatenate([t[order] + k * span for k in range(reps)])
+    keep = times < duration_s
+    return RequestSet(times[keep], np.tile(requests.input_tokens[order], reps)[keep],
+                      np.tile(requests.output_tokens[order], reps)[keep], requests.source)
+
+
+def superpose(requests: RequestSet, rate: float, duration_s: float, seed: int) -> RequestSet:
+    """Reach `rate` requests/s by overlaying independent segments of the trace at its own time scale: n =
+    ceil(rate / trace rate) segments, each read from its own seeded uniformly random time of the trace (wrapping
+    around), each request kept with probability rate / (n · trace rate). Unlike `rescale`, which compresses
+    time and so packs every clump of the trace n times denser, independent segments add up as independent users
+    would; the length distribution is the trace's."""
+    if rate <= 0:
+        raise ValueError("rate must be > 0")
+    if len(requests) < 2:
+        return rescale(requests, rate)
+    n = max(1, math.ceil(rate / requests.rate - 1e-9))
+    keep = rate / (n * requests.rate)
+    rng = np.random.default_rng(seed)
+    parts = [_from_time(requests, float(rng.uniform(0, requests.span_s)), duration_s) for _ in range(n)]
+    t = np.concatenate([p.arrival_s for p in parts])
+    mask = rng.random(len(t)) < keep
+    order = np.argsort(t[mask], kind="stable")
+    inp = np.concatenate([p.input_tokens for p in parts])[mask][order]
+    out = np.concatenate([p.output_tokens for p in parts])[mask][order]
+    return RequestSet(t[mask][order], inp, out, requests.source)
+
+
 def shipped_path(trace: str) -> Path:
     """File of a shipped trace named in scenario files (`azure-code`, `azure-conversation`, `burstgpt`)."""
     return data_path("traces", *SHIPPED_TRACES[trace].split("/"))
+
+
+#: shipped traces that are synthetic stand-ins in a real trace's format, not recorded traffic
+SYNTHETIC_STAND_INS = frozenset({"burstgpt"})
+
+TraceScaling = Literal["superpose", "compress"]
+
+
+@functools.lru_cache(maxsize=8)
+def _shipped(trace: str) -> RequestSet:
+    return load_trace(shipped_path(trace))
 
 
 def workload_for(
@@ -246,11 +293,17 @@ def workload_for(
     seed: int,
     traces: Mapping[str, str | Path] | None = None,
     rate_scale: float = 1.0,
+    scaling: TraceScaling | None = None,
 ) -> dict[str, RequestSet]:
     """Requests of every scenario model over `duration_s`: its trace (a user file from `traces[model]`, else
-    the shipped trace named by the scenario, else synthetic Poisson with the scenario's means), rescaled to
-    the model's request rate x `rate_scale` and tiled to the duration."""
+    the shipped trace named by the scenario, else synthetic Poisson with the scenario's means), brought to the
+    model's request rate x `rate_scale` by `scaling` (default: the scenario's `trace_scaling`): "superpose"
+    overlays independent segments of the trace (`superpose`), "compress" compresses time (`rescale`) and
+    tiles the result to the duration. Each seed draws other segments: other requests of the same traffic."""
     traces = traces or {}
+    how = scaling or scenario.trace_scaling
+    if how not in ("superpose", "compress"):
+        raise CoralInputError(f"trace scaling must be 'superpose' or 'compress', not {how!r}")
     out: dict[str, RequestSet] = {}
     for i, m in enumerate(scenario.models):
         rate = m.request_rate * rate_scale
@@ -261,7 +314,7 @@ def workload_for(
         if m.model in traces:
             base = load_trace(traces[m.model])
         elif m.trace in SHIPPED_TRACES:
-            base = load_trace(shipped_path(m.trace))
+            base = _shipped(m.trace)
         elif m.trace == "synthetic":
             out[m.model] = synthetic(rate, duration_s, m.mean_input_tokens, m.mean_output_tokens, seed=sub_seed)
             continue
@@ -270,8 +323,24 @@ def workload_for(
                 f"scenario {scenario.name}: models.{i}.trace: unknown trace {m.trace!r}; known: "
                 f"{', '.join([*SHIPPED_TRACES, 'synthetic'])} (or pass a file with --trace {m.model}=PATH)"
             )
-        out[m.model] = tile(rescale(base, rate), duration_s, sub_seed)
+        out[m.model] = (superpose(base, rate, duration_s, sub_seed) if how == "superpose"
+                        else tile(rescale(base, rate), duration_s, sub_seed))
     return out
+
+
+def stand_in_notes(scenario: Scenario, traces: Mapping[str, str | Path] | None = None) -> list[str]:
+    """One line per model whose traffic is not recorded traffic (a synthetic stand-in or a generator)."""
+    traces = traces or {}
+    notes = []
+    for m in scenario.models:
+        if m.model in traces:
+            continue
+        if m.trace in SYNTHETIC_STAND_INS:
+            notes.append(f"{m.model}: trace {m.trace!r} is a synthetic stand-in in that trace's format, not "
+                         "recorded traffic (coral/data/traces/README.md)")
+        elif m.trace == "synthetic":
+            notes.append(f"{m.model}: synthetic Poisson arrivals with lognormal lengths, not recorded traffic")
+    return notes
 
 
 def write_azure(requests: RequestSet, path: str | Path, start: str = "2023-11-16T18:00:00") -> Path:

@@ -1,0 +1,140 @@
+"""Methods compared at equal SLO attainment: for Coral and each baseline, the cheapest plan found whose every model
+meets the attainment target on the tuning requests, scored on held-out requests it never saw.
+
+    python benchmarks/equal_attainment.py [--scenario core extended] [--target 0.9 0.99] [--method ...]
+                                          [--setting default scarce imbalanced] [--budget 600]
+    python benchmarks/equal_attainment.py --merge A.json B.json    # one table from runs made in parallel
+
+Each (scenario, target, method) runs `coral.planning.search_plan` with the method as the planner (same library,
+market, availability, traffic and search settings), then scores the chosen plan on the held-out request sets.
+Prints a table ($/h, × Coral, least held-out attainment, rounds, seconds) and writes
+out/benchmarks/equal_attainment.json. A method whose plan misses a target on held-out requests is marked; its
+cost is not comparable and gets no ratio. Settings: "default" (the scenario as shipped), "scarce" (availability
+by the headroom rule at 1.25× the cheapest plan's nodes instead of 3×), "imbalanced" (the paper's definition:
+80 % of the total request rate on the first third of the models, the rest shared by the others).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from coral.allocation import baselines
+from coral.allocation.allocator import allocate
+from coral.allocation.availability import resolve_availability
+from coral.allocation.plan import Plan
+from coral.catalog.loader import load_scenario
+from coral.catalog.schema import Scenario
+from coral.planning import SearchSettings, allocator_planner, search_plan
+from coral.templates.store import load_library
+
+METHODS: dict[str, Callable[..., Plan]] = {
+    "coral": allocate,
+    "homo-ilp": baselines.homo_ilp,
+    "homo-greedy": baselines.homo_greedy,
+    "cauchy-paper": baselines.cauchy_paper,
+}
+
+
+def with_target(scenario: Scenario, target: float) -> Scenario:
+    return scenario.model_copy(update={"models": [m.model_copy(update={"slo_attainment": target})
+                                                  for m in scenario.models]})
+
+
+SCARCE_FACTOR = 1.25
+
+
+def imbalanced(scenario: Scenario) -> Scenario:
+    """80 % of the total request rate on the first third of the models (at least one), 20 % on the rest."""
+    n = len(scenario.models)
+    heavy = max(1, n // 3)
+    total = sum(m.request_rate for m in scenario.models)
+    rates = [0.8 * total / heavy if i < heavy else 0.2 * total / max(1, n - heavy) for i in range(n)]
+    return scenario.model_copy(update={"models": [m.model_copy(update={"request_rate": r})
+                                                  for m, r in zip(scenario.models, rates, strict=True)]})
+
+
+def search_row(name: str, setting: str, sc: Scenario, method: str, planner: Callable[[Any], Plan],
+               settings: SearchSettings) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    res = search_plan(planner, sc, settings)
+    plan = res.plan
+    slo = plan.slo if plan is not None else None
+    return {
+        "scenario": name, "setting": setting, "target": sc.models[0].slo_attainment, "method": method,
+        "cost_per_hour": plan.cost_per_hour if plan is not None else None,
+        "met_held_out": res.met,
+        "held_out": slo.held_out if slo else {}, "tuned": slo.tuned if slo else {},
+        "verdict": slo.verdict if slo else {}, "held_out_seeds": slo.held_out_seeds if slo else [],
+        "headroom": {f"{m}/{p.value}": round(h, 4) for (m, p), h in res.headroom.items()},
+        "heterogeneous_instances": sum(i.heterogeneous for i in plan.instances) if plan is not None else 0,
+        "rounds": len(res.rounds), "rounds_meeting_targets": sum(r.passed for r in res.rounds),
+        "seconds": time.perf_counter() - t0,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--scenario", nargs="+", default=["core", "extended"])
+    ap.add_argument("--target", nargs="+", type=float, default=[0.9, 0.99])
+    ap.add_argument("--method", nargs="+", default=list(METHODS), choices=list(METHODS))
+    ap.add_argument("--setting", nargs="+", default=["default"], choices=["default", "scarce", "imbalanced"])
+    ap.add_argument("--budget", type=float, default=600.0, help="seconds per search (checked between rounds)")
+    ap.add_argument("--library-dir", type=Path, default=Path("out"))
+    ap.add_argument("--out", type=Path, default=Path("out/benchmarks"))
+    ap.add_argument("--name", default="equal_attainment", help="JSON file name (without .json)")
+    ap.add_argument("--merge", nargs="+", type=Path, default=[],
+                    help="no runs: merge the rows of these JSON files (runs made in parallel; a later file's row for the "
+                         "same scenario, setting, target and method wins) into --name")
+    args = ap.parse_args()
+    console = Console(width=160)
+    merged = {(r["scenario"], r["setting"], r["target"], r["method"]): r  # a later file's row replaces an earlier one
+              for f in args.merge for r in json.loads(f.read_text())["rows"]}
+    rows: list[dict[str, Any]] = list(merged.values())
+    path = args.out / f"{args.name}.json"
+    args.out.mkdir(parents=True, exist_ok=True)
+    if rows:
+        path.write_text(json.dumps({"rows": rows}, indent=1))
+    for name in ([] if args.merge else args.scenario):
+        lib = load_library(name, args.library_dir)
+        for setting in args.setting:
+            for target in args.target:
+                sc = with_target(load_scenario(name), target)
+                sc = imbalanced(sc) if setting == "imbalanced" else sc
+                avail = resolve_availability(sc, lib, factor=SCARCE_FACTOR if setting == "scarce" else None)
+                for method in args.method:
+                    row = search_row(name, setting, sc, method,
+                                     allocator_planner(lib, sc, avail, method=METHODS[method]),
+                                     SearchSettings(time_budget_s=args.budget))
+                    rows.append(row)
+                    console.print(f"{name} {setting} ≥{target:.0%} {method}: ${row['cost_per_hour'] or 0:,.2f}/h, "
+                                  f"held-out least {min(row['held_out'].values(), default=0):.1%}, "
+                                  f"{'meets' if row['met_held_out'] else 'MISSES'} every target, "
+                                  f"{row['rounds']} rounds, {row['seconds']:.0f} s")
+                    path.write_text(json.dumps({"rows": rows}, indent=1))
+    table = Table(title="Cheapest plan meeting every model's target, scored on held-out requests")
+    for col in ("scenario", "setting", "target", "method", "$/h", "× coral", "least held-out", "het. inst.",
+                "rounds", "s"):
+        table.add_column(col, justify="left" if col in ("scenario", "setting", "method") else "right")
+    for r in rows:
+        coral = next((c for c in rows if (c["scenario"], c["setting"], c["target"], c["method"])
+                      == (r["scenario"], r["setting"], r["target"], "coral")), None)
+        ratio = (f"{r['cost_per_hour'] / coral['cost_per_hour']:.3f}×" if coral and r["met_held_out"]
+                 and coral["met_held_out"] and r["cost_per_hour"] else "–")
+        table.add_row(r["scenario"], r["setting"], f"≥{r['target']:.0%}",
+                      r["method"] + ("" if r["met_held_out"] else " (misses)"), f"{r['cost_per_hour'] or 0:,.2f}",
+                      ratio, f"{min(r['held_out'].values(), default=0):.1%}", str(r["heterogeneous_instances"]),
+                      str(r["rounds"]), f"{r['seconds']:.0f}")
+    console.print(table)
+    console.print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,423 @@
+"""Issue 20 on real loopback servers: every endpoint behind a key when keys are set, engines behind the
+gateway's token, /metrics labels only from the plan, /replan errors as JSON with a size limit however framed,
+a posted plan pinned until released, header and body read timeouts, a corrupt or unwritable state database."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import signal
+import socket
+import sqlite3
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_runtime_gateway import FAST, chat, stack
+
+from coral.catalog.loader import CoralInputError
+from coral.cli.runtime import build_runtime
+from coral.runtime.backends import EmulatedBackend
+from coral.runtime.controller import Controller, Store, controller_router
+from coral.runtime.emulated import EngineTiming, create_engine_app
+from coral.runtime.gateway import GatewayConfig, create_gateway_app
+from coral.runtime.handmade import make_instance, make_plan
+from coral.runtime.registry import Registry
+from coral.runtime.server import ServerThread, free_port
+
+pytestmark = pytest.mark.timeout(120)
+
+KEY, READ, ADMIN = "sk-hardening-key-0001", "read-only-token-0002", "admin-token-0003"
+PLAN = make_plan([make_instance("phi-4", "decode", [(40, ["1xL40S"])], 100.0)])
+OTHER_PLAN = make_plan([make_instance("phi-4", "decode", [(40, ["1xL40S"])], 100.0, template_id=9)])
+GUARDED = ["/state", "/gateway/state", "/metrics", "/dashboard", "/dashboard/state.json", "/docs", "/openapi.json",
+           "/v1/models"]
+READ_ONLY = ["/state", "/gateway/state", "/metrics", "/dashboard", "/dashboard/state.json"]
+
+
+def bearer(token: str, scheme: str = "Bearer") -> dict[str, str]:
+    return {"Authorization": f"{scheme} {token}"}
+
+
+@contextlib.contextmanager
+def runtime(tmp_path, planner=lambda: PLAN, config: GatewayConfig | None = None) -> Iterator[tuple[str, Controller]]:
+    """`coral serve`'s app (gateway, controller API, dashboard) with emulated engines, on loopback."""
+    store = Store(tmp_path / "state.sqlite")
+    backend = EmulatedBackend(time_scale=0.0, api_key=store.engine_token())
+    cfg = (config or GatewayConfig()).with_api_keys([KEY]).with_tokens(read=[READ], admin=[ADMIN])
+    app, controller = build_runtime(planner, store, backend, 3600.0, cfg, ADMIN)
+    srv = ServerThread(app).start()
+    try:
+        yield srv.url, controller
+    finally:
+        srv.stop()
+        controller.stop()
+        backend.close()
+
+
+def test_every_endpoint_but_health_needs_a_credential_when_keys_are_set(tmp_path):
+    with runtime(tmp_path) as (url, controller):
+        controller.replan()
+        assert httpx.get(f"{url}/health").status_code == 200
+        for path in GUARDED:
+            r = httpx.get(f"{url}{path}")
+            assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error", path
+            assert httpx.get(f"{url}{path}", headers=bearer(KEY)).status_code == 200, path
+            assert httpx.get(f"{url}{path}", headers=bearer(KEY, "bearer")).status_code == 200, path
+        for path in READ_ONLY:  # the read-only token reads the views and nothing else
+            assert httpx.get(f"{url}{path}", headers=bearer(READ)).status_code == 200, path
+        body = {"model": "phi-4", "prompt": "x", "max_tokens": 1}
+        assert httpx.post(f"{url}/v1/completions", json=body, headers=bearer(READ)).status_code == 401
+        assert httpx.post(f"{url}/v1/completions", json=body, headers=bearer(KEY)).status_code == 200
+        assert httpx.post(f"{url}/replan", headers=bearer(READ)).status_code == 401
+        assert httpx.post(f"{url}/replan", headers=bearer(KEY)).status_code == 401  # the admin token's alone
+        assert httpx.post(f"{url}/replan", headers=bearer(ADMIN, "BEARER")).status_code == 200
+        # a browser opens the dashboard once with ?token=, its polls then carry the cookie
+        with httpx.Client(base_url=url) as browser:
+            page = browser.get("/dashboard", params={"token": READ})
+            assert page.status_code == 200 and "httponly" in page.headers["set-cookie"].lower()
+            assert browser.get("/dashboard/state.json").status_code == 200
+            assert browser.get("/metrics").status_code == 401  # the cookie is for the dashboard only
+
+
+def test_engines_answer_only_the_gateways_token(tmp_path):
+    with runtime(tmp_path) as (url, controller):
+        controller.replan()
+        (engine_url,) = [i["url"] for i in controller.state()["instances"]]
+        body = {"model": "phi-4", "prompt": "x", "max_tokens": 1}
+        assert httpx.post(f"{engine_url}/v1/completions", json=body).status_code == 401
+        assert httpx.get(f"{engine_url}/v1/models").status_code == 401
+        assert httpx.get(f"{engine_url}/health").status_code == 200
+        assert engine_url.startswith("http://127.0.0.1:")
+        r = httpx.post(f"{url}/v1/completions", json=body, headers=bearer(KEY))
+        assert r.status_code == 200 and r.json()["choices"][0]["text"]
+
+
+def test_metrics_labels_come_only_from_the_plans_models():
+    with stack() as s:
+        s.engine("d0", "m", "decode", 1.0, FAST)
+        url = s.gateway.url
+        bad = b'{"model": "\\ud800", "messages": [{"role": "user", "content": "x"}]}'
+        assert httpx.post(f"{url}/v1/chat/completions", content=bad).status_code in (400, 404)
+        assert httpx.get(f"{url}/metrics").status_code == 200
+        before = len(httpx.get(f"{url}/metrics").content)
+        for i in range(50):
+            r = httpx.post(f"{url}/v1/chat/completions", json=chat(model=f"{i}-" + "n" * 4096))
+            assert r.status_code == 404
+        metrics = httpx.get(f"{url}/metrics")
+        assert metrics.status_code == 200
+        assert "nnnn" not in metrics.text and 'model="_unknown",outcome="unknown_model"} 50.0' in metrics.text
+        assert len(metrics.content) < before + 200
+        assert httpx.post(f"{url}/v1/chat/completions", json=chat()).status_code == 200
+        assert 'model="m",outcome="ok"' in httpx.get(f"{url}/metrics").text
+
+
+def replan_server(tmp_path, controller: Controller | None = None, **router_kw) -> ServerThread:
+    registry = Registry()
+    c = controller or Controller(Store(tmp_path / "s.sqlite"), EmulatedBackend(time_scale=0.0), registry)
+    app = create_gateway_app(registry, extra_routers=[controller_router(c, **router_kw)], health_checks=False)
+    return ServerThread(app).start()
+
+
+def test_replan_errors_are_json_and_the_size_limit_holds_however_framed(tmp_path, monkeypatch):
+    srv = replan_server(tmp_path, max_body_bytes=300_000)
+    try:
+        deep = b"[" * 100_000 + b"]" * 100_000
+        for body in (deep, b"{not json", b'{"scenario": 1}'):
+            r = httpx.post(f"{srv.url}/replan", content=body)
+            assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_plan"
+
+        def chunks():  # chunked: no Content-Length to check
+            for _ in range(400):
+                yield b" " * 1000
+
+        r = httpx.post(f"{srv.url}/replan", content=chunks())
+        assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+
+        def unwritable(self, plan):  # a read-only state file (root ignores file modes, so the error is injected)
+            raise sqlite3.OperationalError("attempt to write a readonly database")
+
+        monkeypatch.setattr(Store, "set_plan", unwritable)
+        r = httpx.post(f"{srv.url}/replan", content=PLAN.model_dump_json())
+        assert r.status_code == 503 and "readonly" in r.json()["error"]["message"]
+        assert "s.sqlite" in r.json()["error"]["message"]
+    finally:
+        srv.stop()
+
+
+def test_a_posted_plan_is_pinned_until_released(tmp_path):
+    registry = Registry()
+    c = Controller(Store(tmp_path / "s.sqlite"), EmulatedBackend(time_scale=0.0), registry, lambda: OTHER_PLAN)
+    srv = replan_server(tmp_path, c)
+    try:
+        r = httpx.post(f"{srv.url}/replan?wait=true", content=PLAN.model_dump_json())
+        assert r.status_code == 200 and r.json()["pinned"] is True
+        c.replan()  # what the allocator's tick does: the posted plan stays
+        assert c.store.plan() == PLAN and c.store.pinned()
+        refused = httpx.post(f"{srv.url}/replan")
+        assert refused.status_code == 409 and "release=true" in refused.json()["error"]["message"]
+        released = httpx.post(f"{srv.url}/replan?release=true&wait=true")
+        assert released.status_code == 200 and released.json()["pinned"] is False
+        assert c.store.plan() == OTHER_PLAN
+    finally:
+        srv.stop()
+        c.backend.close()  # type: ignore[attr-defined]
+
+
+def raw_exchange(url: str, data: bytes) -> bytes:
+    """Send `data` and read until the server closes the connection (a generous bound, not a timing check)."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(data)
+        out = b""
+        while chunk := sock.recv(65536):
+            out += chunk
+        return out
+
+
+@pytest.mark.parametrize("http", ["h11", "httptools"])
+def test_slow_headers_and_bodies_are_cut_off(http):
+    if http == "httptools":
+        pytest.importorskip("httptools")
+    app = create_gateway_app(Registry(), GatewayConfig(body_timeout_s=0.5), health_checks=False)
+    srv = ServerThread(app, http=http, header_timeout_s=0.5).start()
+    try:
+        assert raw_exchange(srv.url, b"") == b""  # opened and silent
+        assert raw_exchange(srv.url, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n") == b""  # headers never end
+        body_stalls = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"model\""
+        answer = raw_exchange(srv.url, body_stalls)
+        assert answer.startswith(b"HTTP/1.1 408") and b"request_timeout" in answer
+        assert httpx.get(f"{srv.url}/health").status_code == 200  # ordinary requests are untouched
+    finally:
+        srv.stop()
+
+
+def test_a_corrupt_state_database_is_kept_aside_and_replaced(tmp_path):
+    path = tmp_path / "state.sqlite"
+    path.write_bytes(b"this is not sqlite" * 100)
+    store = Store(path)
+    backups = list(tmp_path.glob("state.sqlite.corrupt-*"))
+    assert len(backups) == 1 and backups[0].read_bytes().startswith(b"this is not sqlite")
+    assert str(path) in store.notice and backups[0].name in store.notice
+    assert store.actions()[0]["kind"] == "reset-state" and store.plan() is None
+    store.set_plan(PLAN)
+    assert store.plan() == PLAN
+
+
+def test_an_unopenable_state_database_is_refused_naming_the_file(tmp_path):
+    where = tmp_path / "a-folder.sqlite"
+    where.mkdir()
+    with pytest.raises(CoralInputError, match=r"a-folder\.sqlite: cannot open the controller state database"):
+        Store(where)
+
+
+def test_engine_app_without_a_key_stays_open():
+    srv = ServerThread(create_engine_app("e0", "m", "decode", EngineTiming.constant())).start()
+    try:
+        r = httpx.post(f"{srv.url}/v1/completions", json={"model": "m", "prompt": "x", "max_tokens": 1})
+        assert r.status_code == 200 and json.loads(r.text)["choices"]
+    finally:
+        srv.stop()
+
+
+def wait_until(check, tries: int = 600) -> bool:
+    """Poll `check` (bounded: `tries` x 0.1 s)."""
+    for _ in range(tries):
+        with contextlib.suppress(httpx.HTTPError):
+            if check():
+                return True
+        time.sleep(0.1)
+    return False
+
+
+@pytest.mark.parametrize("second_signal", [False, True])
+def test_sigterm_drains_stuck_requests_for_a_bounded_grace_then_exits(tmp_path, second_signal):
+    """`coral serve` with a request that never finishes: SIGTERM exits after the grace period (a second SIGTERM:
+    at once, the grace being far longer than the test's bound), and the stuck client sees its connection end."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    grace = "600" if second_signal else "1"
+    cmd = [sys.executable, "-m", "coral.cli.main", "serve", "core", "--plan", str(PLAN.save(tmp_path / "p.json")),
+           "--port", str(port), "--db", str(tmp_path / "s.sqlite"), "--time-scale", "1000", "--grace", grace]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    stuck: list[BaseException | int] = []
+
+    def client() -> None:
+        body = {"model": "phi-4", "prompt": "x", "max_tokens": 1000, "stream": True}
+        try:
+            with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
+                stuck.append(r.status_code)
+                for _ in r.iter_bytes():
+                    pass
+        except httpx.HTTPError as exc:
+            stuck.append(exc)
+
+    try:
+        assert wait_until(lambda: httpx.get(f"{url}/health").json()["routable"] == 1), proc.stdout.read1().decode()
+        thread = threading.Thread(target=client, daemon=True)
+        thread.start()
+        assert wait_until(lambda: httpx.get(f"{url}/gateway/state").json()["queue"]["active"] == 1)
+        proc.send_signal(signal.SIGTERM)
+        if second_signal:
+            time.sleep(1)  # let the first signal start the shutdown (not a timing assertion)
+            proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=90)
+        thread.join(timeout=30)
+        assert not thread.is_alive() and stuck  # answered (a 5xx: cut by the shutdown) or its connection closed
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate(timeout=30)
+
+
+def test_prompts_longer_than_the_context_are_refused_before_routing():
+    with stack(GatewayConfig(max_prompt_tokens=1000)) as s:
+        s.engine("d0", "m", "decode", 1.0, FAST)
+        url = s.gateway.url
+        for body in ({"model": "m", "prompt": "x" * 16_001}, {"model": "m", "prompt": list(range(1001))},
+                     {"model": "m", "prompt": [list(range(5)), list(range(1001))]}, chat(text="y" * 16_001)):
+            path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+            r = httpx.post(f"{url}{path}", json=body)
+            assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", body
+        assert s.state("d0").served == 0
+        fits = httpx.post(f"{url}/v1/completions", json={"model": "m", "prompt": list(range(1000)), "max_tokens": 1})
+        assert fits.status_code == 200 and s.state("d0").served == 1
+
+
+@pytest.mark.parametrize("client", ["http1", "aiohttp"])
+def test_a_timed_out_request_is_not_retried_and_its_instance_is_ejected(client):
+    with stack(GatewayConfig(request_timeout_s=0.5, eject_s=3600, upstream_client=client)) as s:
+        s.engine("stuck", "m", "decode", 10.0, EngineTiming.constant(ttft_s=3600))
+        s.engine("ok", "m", "decode", 1.0, FAST)
+        url = f"{s.gateway.url}/v1/chat/completions"
+        r = httpx.post(url, json=chat(), timeout=60)
+        assert r.status_code == 504 and "stuck did not answer" in r.json()["error"]["message"]
+        assert s.state("ok").served == 0  # not sent again elsewhere
+        for _ in range(5):
+            r = httpx.post(url, json=chat(), timeout=60)
+            assert r.status_code == 200 and r.headers["x-coral-instance"] == "ok"
+        assert all(e.inflight == 0 for e in s.registry.all()) and s.gw.active == 0
+
+
+@pytest.mark.parametrize(
+    ("change", "where", "why"),
+    [
+        (("request_rate: 10", "request_rate: 1e12"), "models.0.request_rate", "less than or equal to 100000"),
+        (("request_rate: 10", "request_rate: .inf"), "models.0.request_rate", "finite number"),
+        (("decode_slo_ms: 60", "decode_slo_ms: .nan"), "models.0.decode_slo_ms", "finite number"),
+        (("mean_input_tokens: 1155", "mean_input_tokens: 1e9"), "models.0.mean_input_tokens", "less than"),
+        (("[aws-us-east-2, aws-ap-northeast-2]", "[aws-us-east-2, aws-us-east-2]"), "regions", "unique"),
+    ],
+)
+def test_scenario_numbers_are_bounded_and_errors_name_file_and_field(tmp_path, change, where, why):
+    from coral.catalog.loader import data_path, load_scenario
+
+    text = data_path("scenarios", "core.yaml").read_text()
+    assert change[0] in text
+    path = tmp_path / "bad.yaml"
+    path.write_text(text.replace(change[0], change[1], 1))
+    with pytest.raises(CoralInputError) as e:
+        load_scenario(path)
+    assert str(path) in str(e.value) and where in str(e.value) and why in str(e.value)
+
+
+def test_the_prefill_phase_times_out_from_its_own_budget_and_is_not_redone_by_decode():
+    with stack(GatewayConfig(prefill_timeout_s={"m": 0.5}, eject_s=3600)) as s:
+        s.engine("p0", "m", "prefill", 1.0, EngineTiming.constant(ttft_s=3600))
+        s.engine("d0", "m", "decode", 1.0, FAST)
+        url = f"{s.gateway.url}/v1/chat/completions"
+        r = httpx.post(url, json=chat(), timeout=60)
+        assert r.status_code == 504 and "p0 did not answer within 0.5 s" in r.json()["error"]["message"]
+        assert s.state("d0").served == 0  # the decode instance did not prefill it instead
+        r = httpx.post(url, json=chat(), timeout=60)  # p0 ejected: the decode instance prefills locally
+        assert r.status_code == 200 and s.state("d0").prefills == 1
+
+
+def test_the_aiohttp_upstream_client_serves_pd_streams_and_retries_like_http1():
+    answers = {}
+    for client in ("http1", "aiohttp"):
+        with stack(GatewayConfig(upstream_client=client)) as s:
+            s.engine("p0", "m", "prefill", 1.0, FAST)
+            s.engine("d0", "m", "decode", 1.0, FAST)
+            dead = s.engine("d1", "m", "decode", 100.0, FAST)
+            dead.stop(force=True)  # picked first (larger weight), refuses the connection: retried on d0
+            r = httpx.post(f"{s.gateway.url}/v1/chat/completions", json=chat(n=5), timeout=10)
+            with httpx.stream("POST", f"{s.gateway.url}/v1/chat/completions", json=chat(n=3, stream=True)) as st:
+                streamed = st.read().decode()
+            assert r.status_code == 200 and r.headers["x-coral-instance"] == "d0"
+            assert streamed.rstrip().endswith("data: [DONE]")
+            answers[client] = (r.json()["choices"], streamed.count("data: "))
+            assert all(e.inflight == 0 for e in s.registry.all()) and s.gw.active == 0
+    assert answers["http1"] == answers["aiohttp"]
+
+
+@st.composite
+def framed_answers(draw) -> tuple[bytes, int, bytes]:
+    """(raw HTTP/1.1 answer, status, body): Content-Length, chunked (random splits, extensions, trailers,
+    header names and values in any case) or closed-delimited framing."""
+    status = draw(st.sampled_from([200, 201, 400, 404, 429, 500, 503]))
+    body = draw(st.binary(max_size=3000))
+    framing = draw(st.sampled_from(["length", "chunked", "close"]))
+    name = draw(st.sampled_from(["Content-Type", "content-type", "CONTENT-TYPE"]))
+    head = [f"HTTP/1.1 {status} X", f"{name}: application/json"]
+    if framing == "length":
+        head.append(f"{draw(st.sampled_from(['Content-Length', 'content-length']))}: {len(body)}")
+        payload = body
+    elif framing == "chunked":
+        te = draw(st.sampled_from(["Transfer-Encoding", "transfer-encoding"]))
+        head.append(f"{te}: {draw(st.sampled_from(['chunked', 'Chunked', 'CHUNKED']))}")
+        cuts = sorted(draw(st.lists(st.integers(0, len(body)), max_size=6)))
+        parts = [body[a:b] for a, b in zip([0, *cuts], [*cuts, len(body)], strict=True) if b > a]
+        ext = draw(st.sampled_from(["", ";x=1"]))
+        payload = b"".join(f"{len(p):x}{ext}\r\n".encode() + p + b"\r\n" for p in parts)
+        payload += b"0\r\n" + draw(st.sampled_from([b"", b"X-Trailer: 1\r\n"])) + b"\r\n"
+    else:
+        head.append("Connection: close")
+        payload = body
+    return ("\r\n".join(head) + "\r\n\r\n").encode() + payload, status, body
+
+
+@settings(max_examples=60, deadline=None)
+@given(framed_answers())
+def test_http1_parses_every_framing_as_aiohttp_does(answer):
+    from coral.runtime.aiohttp_pool import AiohttpPool
+    from coral.runtime.http1 import Http1Pool
+
+    raw, status, body = answer
+
+    async def run() -> list[tuple[int, bytes]]:
+        async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await reader.readuntil(b"\r\n\r\n")
+            writer.write(raw)
+            await writer.drain()
+            writer.close()
+
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        seen = []
+        for pool in (Http1Pool(2.0, 10.0), AiohttpPool(2.0, 10.0)):
+            resp = await pool.post(url, "/v1/completions", b"{}", {"Content-Type": "application/json"})
+            seen.append((resp.status_code, b"".join([c async for c in resp.aiter_raw()])))
+            await resp.aclose()
+            await pool.aclose()
+        server.close()
+        await server.wait_closed()
+        return seen
+
+    assert asyncio.run(run()) == [(status, body), (status, body)]
+
+
+def test_serve_sizes_prefill_timeouts_from_the_scenarios_ttft_slos():
+    from coral.catalog.loader import load_scenario
+    from coral.cli.runtime import prefill_timeouts
+
+    core = load_scenario("core")
+    assert prefill_timeouts(core, 10.0) == {m.model: m.prefill_slo_ms / 100 for m in core.models}
+    assert prefill_timeouts(core, 0.0) == {}
