@@ -62,7 +62,7 @@ def imbalanced(scenario: Scenario) -> Scenario:
 
 
 def search_row(name: str, setting: str, sc: Scenario, method: str, planner: Callable[[Any], Plan],
-               settings: SearchSettings) -> dict[str, Any]:
+               settings: SearchSettings) -> tuple[dict[str, Any], Plan | None]:
     t0 = time.perf_counter()
     res = search_plan(planner, sc, settings)
     plan = res.plan
@@ -71,13 +71,14 @@ def search_row(name: str, setting: str, sc: Scenario, method: str, planner: Call
         "scenario": name, "setting": setting, "target": sc.models[0].slo_attainment, "method": method,
         "cost_per_hour": plan.cost_per_hour if plan is not None else None,
         "met_held_out": res.met,
-        "held_out": slo.held_out if slo else {}, "tuned": slo.tuned if slo else {},
+        "held_out": slo.held_out if slo else {}, "held_out_worst": slo.held_out_worst if slo else {},
+        "tuned": slo.tuned if slo else {},
         "verdict": slo.verdict if slo else {}, "held_out_seeds": slo.held_out_seeds if slo else [],
         "headroom": {f"{m}/{p.value}": round(h, 4) for (m, p), h in res.headroom.items()},
         "heterogeneous_instances": sum(i.heterogeneous for i in plan.instances) if plan is not None else 0,
         "rounds": len(res.rounds), "rounds_meeting_targets": sum(r.passed for r in res.rounds),
         "seconds": time.perf_counter() - t0,
-    }
+    }, plan
 
 
 def main() -> None:
@@ -99,6 +100,7 @@ def main() -> None:
               for f in args.merge for r in json.loads(f.read_text())["rows"]}
     rows: list[dict[str, Any]] = list(merged.values())
     path = args.out / f"{args.name}.json"
+    plans = args.out / f"{args.name}.plans"
     args.out.mkdir(parents=True, exist_ok=True)
     if rows:
         path.write_text(json.dumps({"rows": rows}, indent=1))
@@ -110,18 +112,20 @@ def main() -> None:
                 sc = imbalanced(sc) if setting == "imbalanced" else sc
                 avail = resolve_availability(sc, lib, factor=SCARCE_FACTOR if setting == "scarce" else None)
                 for method in args.method:
-                    row = search_row(name, setting, sc, method,
-                                     allocator_planner(lib, sc, avail, method=METHODS[method]),
-                                     SearchSettings(time_budget_s=args.budget))
+                    planner = allocator_planner(lib, sc, avail, method=METHODS[method])
+                    row, plan_of_row = search_row(name, setting, sc, method, planner,
+                                                  SearchSettings(time_budget_s=args.budget))
                     rows.append(row)
+                    if plan_of_row is not None:
+                        plan_of_row.save(plans / f"{name}.{setting}.{target:g}.{method}.json")
                     console.print(f"{name} {setting} ≥{target:.0%} {method}: ${row['cost_per_hour'] or 0:,.2f}/h, "
-                                  f"held-out least {min(row['held_out'].values(), default=0):.1%}, "
+                                  f"held-out {min(row['held_out'].values(), default=0):.1%} (least model), "
                                   f"{'meets' if row['met_held_out'] else 'MISSES'} every target, "
                                   f"{row['rounds']} rounds, {row['seconds']:.0f} s")
                     path.write_text(json.dumps({"rows": rows}, indent=1))
     table = Table(title="Cheapest plan meeting every model's target, scored on held-out requests")
-    for col in ("scenario", "setting", "target", "method", "$/h", "× coral", "least held-out", "het. inst.",
-                "rounds", "s"):
+    for col in ("scenario", "setting", "target", "method", "$/h", "× coral", "held-out, least model",
+                "worst set", "het. inst.", "rounds", "s"):
         table.add_column(col, justify="left" if col in ("scenario", "setting", "method") else "right")
     for r in rows:
         coral = next((c for c in rows if (c["scenario"], c["setting"], c["target"], c["method"])
@@ -130,7 +134,8 @@ def main() -> None:
                  and coral["met_held_out"] and r["cost_per_hour"] else "–")
         table.add_row(r["scenario"], r["setting"], f"≥{r['target']:.0%}",
                       r["method"] + ("" if r["met_held_out"] else " (misses)"), f"{r['cost_per_hour'] or 0:,.2f}",
-                      ratio, f"{min(r['held_out'].values(), default=0):.1%}", str(r["heterogeneous_instances"]),
+                      ratio, f"{min(r['held_out'].values(), default=0):.1%}",
+                      f"{min(r['held_out_worst'].values(), default=0):.1%}", str(r["heterogeneous_instances"]),
                       str(r["rounds"]), f"{r['seconds']:.0f}")
     console.print(table)
     console.print(f"wrote {path}")

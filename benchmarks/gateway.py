@@ -6,13 +6,11 @@ Throughput: closed loop with `--concurrency` clients. Routes measured: direct to
 gateway to a single pool, and through the gateway's PD path (prefill call then decode call). Fixed rates
 (`--rates`): open-loop arrivals at each rate for `--seconds`, the three routes measured one after the other in
 the same run, so "added" latency compares like with like. `--http/--loop` pick uvicorn's implementations
-(h11/asyncio, or httptools/uvloop when installed) for the gateway and the engines. `--clients` runs one gateway
-process per upstream client (the hand-written `http1`, aiohttp's) side by side on the same engines, and prints
-the ratio of their CPU per request.
+(h11/asyncio, or httptools/uvloop when installed) for the gateway and the engines. CPU per request is read from
+/proc for the gateway process and the engines' process.
 
     .venv/bin/python benchmarks/gateway.py [--requests 400] [--concurrency 32] [--engines 2] [--repeats 3]
         [--rates 200,500,1000] [--seconds 3] [--http auto|h11|httptools] [--loop auto|asyncio|uvloop]
-        [--clients http1,aiohttp]
 """
 
 from __future__ import annotations
@@ -49,14 +47,11 @@ def _engines(specs: list[tuple[str, str, str, int]], ready: Any, stop: Any, opts
         s.stop()
 
 
-def _gateway(
-    specs: list[tuple[str, str, str, int]], port: int, ready: Any, stop: Any, opts: dict[str, str], client: str
-) -> None:
+def _gateway(specs: list[tuple[str, str, str, int]], port: int, ready: Any, stop: Any, opts: dict[str, str]) -> None:
     reg = Registry()
     for iid, model, phase, p in specs:
         reg.add(Endpoint(iid, model, phase, f"http://127.0.0.1:{p}", 1.0, InstanceState.READY))
-    config = GatewayConfig(max_concurrency=512, upstream_client=client)  # type: ignore[arg-type]
-    srv = ServerThread(create_gateway_app(reg, config), port=port, **opts).start()
+    srv = ServerThread(create_gateway_app(reg, GatewayConfig(max_concurrency=512)), port=port, **opts).start()
     ready.set()
     stop.wait()
     srv.stop()
@@ -185,35 +180,29 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=3.0, help="duration of each fixed-rate run")
     ap.add_argument("--http", default="auto", help="uvicorn HTTP implementation: auto | h11 | httptools")
     ap.add_argument("--loop", default="auto", help="uvicorn event loop: auto | asyncio | uvloop")
-    ap.add_argument(
-        "--clients", default="http1,aiohttp",
-        help="the gateway's upstream clients to measure side by side, one gateway process each",
-    )
     args = ap.parse_args()
     opts = {"http": args.http, "loop": args.loop}
-    clients = [c.strip() for c in args.clients.split(",") if c.strip()]
 
     specs = [(f"pd.p{k}", "pd", "prefill", free_port()) for k in range(args.engines)]
     specs += [(f"pd.d{k}", "pd", "decode", free_port()) for k in range(args.engines)]
     specs += [(f"solo.d{k}", "solo", "decode", free_port()) for k in range(args.engines)]
     ctx = mp.get_context("spawn")
-    stop, ready_e = ctx.Event(), ctx.Event()
-    ready_g = [ctx.Event() for _ in clients]
-    gw_ports = [free_port() for _ in clients]
-    procs = [ctx.Process(target=_engines, args=(specs, ready_e, stop, opts), daemon=True)]
-    procs += [
-        ctx.Process(target=_gateway, args=(specs, port, ready, stop, opts, client), daemon=True)
-        for client, port, ready in zip(clients, gw_ports, ready_g, strict=True)
+    stop, ready_e, ready_g = ctx.Event(), ctx.Event(), ctx.Event()
+    gw_port = free_port()
+    procs = [
+        ctx.Process(target=_engines, args=(specs, ready_e, stop, opts), daemon=True),
+        ctx.Process(target=_gateway, args=(specs, gw_port, ready_g, stop, opts), daemon=True),
     ]
     for p in procs:
         p.start()
-    if not (ready_e.wait(30) and all(r.wait(30) for r in ready_g)):
+    if not (ready_e.wait(30) and ready_g.wait(30)):
         raise SystemExit("servers did not start")
-    # route -> (port, model, index of the gateway process in `procs`, 0 = none)
-    routes: dict[str, tuple[int, str, int]] = {"direct (engine)": (specs[-1][3], "solo", 0)}
-    for k, (client, port) in enumerate(zip(clients, gw_ports, strict=True), start=1):
-        routes[f"gateway ({client}), one pool"] = (port, "solo", k)
-        routes[f"gateway ({client}), PD path"] = (port, "pd", k)
+    # route -> (port, model, whether through the gateway)
+    routes: dict[str, tuple[int, str, bool]] = {
+        "direct (engine)": (specs[-1][3], "solo", False),
+        "gateway, one pool": (gw_port, "solo", True),
+        "gateway, PD path": (gw_port, "pd", True),
+    }
     rows: dict[str, dict[str, float]] = {}
     fixed: list[dict[str, Any]] = []
     try:
@@ -236,7 +225,7 @@ def main() -> None:
                         "mean_ms": 1e3 * statistics.fmean(lat),
                         "max_rps": rps,
                         "engines_cpu_ms_per_req": cpu[0],
-                        "gateway_cpu_ms_per_req": cpu[gw] if gw else 0.0,
+                        "gateway_cpu_ms_per_req": cpu[1] if gw else 0.0,
                     }
                 )
             rows[name] = {
@@ -308,11 +297,6 @@ def main() -> None:
                 f"{r['added_p99_ms']:+.2f}",
             )
         Console().print(f)
-    if {"http1", "aiohttp"} <= set(clients):
-        for path in ("one pool", "PD path"):
-            ratio = (rows[f"gateway (aiohttp), {path}"]["gateway_cpu_ms_per_req"]
-                     / rows[f"gateway (http1), {path}"]["gateway_cpu_ms_per_req"])
-            Console().print(f"gateway CPU per request, aiohttp / http1, {path}: {ratio:.2f}x")
     OUT.parent.mkdir(parents=True, exist_ok=True)
     meta = {
         "requests": args.requests,
@@ -322,7 +306,6 @@ def main() -> None:
         "cpus": mp.cpu_count(),
         "http": args.http,
         "loop": args.loop,
-        "clients": clients,
         "load_avg_1m": os.getloadavg()[0],
     }
     OUT.write_text(json.dumps({"config": meta, "routes": rows, "fixed_rates": fixed}, indent=2))

@@ -593,6 +593,40 @@ def attack_huge_prompt() -> Tally:
     return t
 
 
+def fault_engine_stalls(n: int = 200) -> Tally:
+    """A decode engine stops producing tokens after the first: of `n` concurrent streamed requests, those it took
+    end with an SSE error once k x TPOT passes without a token, it is ejected, the others complete, and `n` more
+    requests all complete elsewhere."""
+    cfg = GatewayConfig(prefill_timeout_s={"m": 5.0}, token_timeout_s={"m": 0.5}, eject_s=3600)
+    t = Tally("fault: decode engine stalls mid-answer")
+    with stack(EngineTiming.constant(0.002, 0.001), config=cfg) as s:
+        s.add("stall", "decode", EngineTiming.constant(0.0, 3600))
+
+        async def wave(i0: int) -> list[str]:
+            async def one(i: int) -> str:
+                async with c.stream("POST", "/v1/chat/completions", json=chat(i, stream=True)) as r:
+                    raw = (await r.aread()).decode()
+                if r.status_code == 200 and raw.rstrip().endswith("data: [DONE]"):
+                    return "ok"
+                last = raw.rstrip().rpartition("data: ")[2]
+                if r.status_code == 200 and "stall stalled mid-answer" in last and set(json.loads(last)["error"]) == ERROR_KEYS:
+                    return "cut"
+                return f"HTTP {r.status_code}: {raw[-100:]!r}"
+
+            async with httpx.AsyncClient(base_url=s.gateway.url, timeout=60) as c:
+                return await asyncio.gather(*(one(i0 + i) for i in range(n)))
+
+        first, second = asyncio.run(wave(0)), asyncio.run(wave(n))
+        for o in first:
+            t.ok(o in ("ok", "cut"), o)
+        for o in second:
+            t.ok(o == "ok", f"after the ejection: {o}")
+        t.lost = sum(o not in ("ok", "cut") for o in first + second)
+        t.group += f" ({first.count('cut')} cut by the token timeout)"
+        t.counters_zero = s.counters_zero()
+    return t
+
+
 def attack_slow_connections(n: int = 200) -> Tally:
     """`n` connections send half a request's headers (or a body that stalls) and wait: the gateway closes
     every one (header and body read timeouts) and serves ordinary requests meanwhile."""
@@ -752,7 +786,8 @@ def main() -> None:
         tallies += [fault_engine_killed(True), fault_engine_killed(False), fault_client_disconnect()]
         tallies += [fault_engine_killed(True, process=True), fault_engine_killed(False, process=True)]
         tallies += [fault_controller(f) for f in (None, "readonly", "missing", "corrupt")]
-        tallies += [attack_access(), attack_metrics(), attack_huge_prompt(), attack_slow_connections(),
+        tallies += [attack_access(), attack_metrics(), attack_huge_prompt(), fault_engine_stalls(),
+                    attack_slow_connections(),
                     attack_replan(), fault_serve_killed()]
 
     table = Table(

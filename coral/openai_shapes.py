@@ -9,6 +9,7 @@ with the field named (`InvalidRequest`); fields no model lists pass through unto
 
 from __future__ import annotations
 
+import hmac
 import time
 from typing import Annotated, Any, Literal
 
@@ -242,3 +243,10 @@ def bearer_token(authorization: str) -> str:
     scheme, _, token = authorization.strip().partition(" ")
     return token.strip() if scheme.lower() == "bearer" else ""
 
+
+def bearer_allowed(authorization: str, expected: str | None) -> bool:
+    """Whether an `Authorization` header value bears the token `expected` (compared in constant time); any value
+    does when `expected` is None (an engine without a token)."""
+    if expected is None:
+        return True
+    return hmac.compare_digest(bearer_token(authorization).encode(), expected.encode())

@@ -16,7 +16,7 @@ from coral.allocation.demand import phase_demand, scenario_demand
 from coral.allocation.plan import Plan
 from coral.allocation.reference import joint_cost
 from coral.catalog.loader import builtin_catalog
-from coral.catalog.schema import Scenario, ScenarioModel
+from coral.catalog.schema import Scenario, ScenarioModel, TargetUtilization
 from coral.perf.model import Phase
 from coral.templates.dominance import _undominated_pairwise, undominated
 from coral.templates.library import Stage, Template, TemplateLibrary
@@ -30,9 +30,9 @@ def scenario(models: list[str], rates: list[float] | None = None, priority: list
              k: float = 0.1) -> Scenario:
     rates = rates or [1.0] * len(models)
     priority = priority or [1.0] * len(models)
-    return Scenario(
+    return Scenario(  # planned capacity = mean demand (no burst headroom): these tests are about the solver
         name="tiny", regions=REGIONS, configs=CONFIGS, availability={"mode": "headroom", "factor": 3.0},
-        init_penalty_k=k,
+        init_penalty_k=k, target_utilization=TargetUtilization(prefill=1.0, decode=1.0),
         models=[ScenarioModel(model=m, prefill_slo_ms=1000, decode_slo_ms=50, request_rate=r, mean_input_tokens=100,
                               mean_output_tokens=20, priority=p) for m, r, p in zip(models, rates, priority, strict=True)],
     )
@@ -539,12 +539,11 @@ def test_allocator_matches_the_plain_formulation(seed: int, factor: float, mode:
     mode: the allocator raises only where the plain formulation (`reference.plain_solve`) has no solution, and
     each stage's objective is the reference's within the requested gap."""
     from coral.allocation.reference import plain_solve
-    from coral.catalog.schema import TargetUtilization
 
     rng = np.random.default_rng(seed)
     models = ["a", "b"]
     lib = random_library(seed, models, n=5)
-    sc = scenario(models).model_copy(update={"target_utilization": TargetUtilization(prefill=1.0, decode=1.0)})
+    sc = scenario(models)
     dem = {(m, p): float(rng.uniform(50, 600) if p == Phase.PREFILL else rng.uniform(20, 300))
            for m in models for p in Phase}
     est: dict[str, int] = {}
@@ -621,3 +620,41 @@ def test_repaired_lp_point_is_feasible(seed: int) -> None:
     fixed = solver.repair(problem, x)
     assert fixed is not None and problem.violation(fixed) <= 1e-9
     assert np.allclose(fixed[problem.integer], np.round(fixed[problem.integer]))
+
+
+@pytest.mark.parametrize("mode", ["cost", "goodput", "maxmin", "scaled"])
+def test_a_tiny_time_limit_still_returns_a_plan(mode: Mode) -> None:
+    """With almost no time every stage keeps its warm start (greedy plan, the previous stage's plan or the
+    repaired LP point): a plan within availability comes back instead of an 'infeasible' verdict."""
+    models = ["a", "b", "c"]
+    lib = random_library(21, models, n=30)
+    sc = scenario(models, rates=[6.0, 4.0, 5.0])
+    free = allocate(lib, sc, availability=UNLIMITED, gap=1e-9)
+    cluster = nodes_of(free)
+    if mode != "cost":  # scarce: half of the unlimited optimum's nodes
+        cluster = {r: {c: n // 2 for c, n in cs.items()} for r, cs in cluster.items()}
+    plan = allocate(lib, sc, availability=cluster, mode=mode, time_limit=0.01)
+    check_plan(plan, {r: {c: cluster[r].get(c, 0) for c in CONFIGS} for r in REGIONS})
+    assert plan.instances and (mode != "cost" or min(s.served_fraction for s in plan.serving) == pytest.approx(1.0))
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_final_mip_on_few_columns_keeps_a_true_bound(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Short of time past FULL_MIP_COLUMNS, the final MIP keeps the columns of least reduced cost: the plan stays
+    feasible and the reported bound stays a lower bound on the true optimum (the restricted MIP's own bound is
+    not used)."""
+    models = ["a", "b", "c"]
+    lib = random_library(400 + seed, models, n=30)
+    sc = scenario(models, rates=[6.0, 4.0, 5.0])
+    av = avail(int(np.random.default_rng(seed).integers(3, 8)))
+    try:
+        exact = allocate(lib, sc, availability=av, gap=1e-9)
+    except InfeasibleDemand:
+        return
+    monkeypatch.setattr(solver, "FULL_MIP_COLUMNS", 2)
+    monkeypatch.setattr(solver, "MIP_S_PER_COLUMN", 1e3)
+    monkeypatch.setattr(solver, "SEPARATE", False)
+    few = allocate(lib, sc, availability=av, gap=1e-9)
+    check_plan(few, av)
+    assert few.solve.bound is not None and few.solve.bound <= exact.cost_per_hour + 1e-6
+    assert few.cost_per_hour >= exact.cost_per_hour - 1e-6

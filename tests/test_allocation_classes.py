@@ -22,7 +22,13 @@ from coral.allocation.classes import (
 )
 from coral.allocation.reductions import pareto_columns
 from coral.catalog.loader import builtin_catalog
-from coral.catalog.schema import AvailabilityHeadroom, RequestClass, Scenario, ScenarioModel, TargetUtilization
+from coral.catalog.schema import (
+    AvailabilityHeadroom,
+    RequestClass,
+    Scenario,
+    ScenarioModel,
+    TargetUtilization,
+)
 from coral.perf.model import Phase
 from coral.templates.library import Stage, Template, TemplateLibrary
 

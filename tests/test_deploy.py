@@ -19,7 +19,6 @@ from coral.deploy.render import dns_name, render
 from coral.deploy.schemas import validate_manifest
 from coral.deploy.vllm import (
     KV_TRANSFER_CONFIG,
-    engine_library,
     launch_commands,
     realisable,
     side_channel_env,
@@ -27,6 +26,7 @@ from coral.deploy.vllm import (
 )
 from coral.perf.model import Phase
 from coral.runtime.handmade import make_instance, make_plan
+from coral.templates.engines import engine_library
 from coral.templates.library import Stage, Template, TemplateLibrary
 
 CAT = builtin_catalog()

@@ -252,6 +252,26 @@ def test_http_streaming_chat_and_errors(ckpt, whole):
         inst.stop()
 
 
+def test_http_needs_the_gateways_engine_token(ckpt):
+    from coral.runtime.coral_backend import CoralEngineBackend
+
+    token = "engine-token-0123456789"
+    assert CoralEngineBackend(api_key=token).config.api_key == token  # what `coral serve --backend coral` passes
+    inst = local(Layout.of([6], [["a"]], instance_id="i", model="tiny"), ckpt, http=True, api_key=token)
+    try:
+        base, body = inst.url, {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 2}
+        assert httpx.get(f"{base}/health").status_code == 200
+        for wrong in ({}, {"Authorization": "Bearer nope"}, {"Authorization": token}):
+            r = httpx.post(f"{base}/v1/completions", json=body, headers=wrong)
+            assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+            assert httpx.get(f"{base}/v1/models", headers=wrong).status_code == 401
+        assert httpx.get(f"{base}/openapi.json").status_code == 404
+        r = httpx.post(f"{base}/v1/completions", json=body, headers={"Authorization": f"bearer {token}"}, timeout=30)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+    finally:
+        inst.stop()
+
+
 def test_gpu_configuration_selects_nccl_and_cuda_devices(ckpt):
     """No GPU here: check the node configurations a CUDA deployment gets (NCCL, one device per rank, the
     rendezvous given, nodes started elsewhere reachable by their own address)."""

@@ -96,6 +96,8 @@ def test_coral_serve_backend_coral_pd_through_gateway(tmp_path):
         assert {i["phase"]: i["served"] for i in instances} == {"prefill": 1, "decode": 1}
         (decode_url,) = [i["url"] for i in instances if i["phase"] == "decode"]
         assert httpx.get(f"{decode_url}/health").json()["remote_prefills"] == 1  # KV taken, not recomputed
+        direct = httpx.post(f"{decode_url}/v1/completions", json={"model": "phi-4", "prompt": PROMPTS[2]})
+        assert direct.status_code == 401  # the engines answer only the gateway's token
     finally:
         proc.terminate()
         proc.wait(30)

@@ -1,6 +1,8 @@
 """Issue 20 on real loopback servers: every endpoint behind a key when keys are set, engines behind the
 gateway's token, /metrics labels only from the plan, /replan errors as JSON with a size limit however framed,
-a posted plan pinned until released, header and body read timeouts, a corrupt or unwritable state database."""
+a posted plan pinned until released, header and body read timeouts, a corrupt or unwritable state database,
+timeouts per phase from the SLOs (prefill, first token, each later token, the whole answer) and outlier
+ejection."""
 
 from __future__ import annotations
 
@@ -18,9 +20,7 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
-from test_runtime_gateway import FAST, chat, stack
+from test_runtime_gateway import FAST, chat, sse_events, stack
 
 from coral.catalog.loader import CoralInputError
 from coral.cli.runtime import build_runtime
@@ -291,9 +291,8 @@ def test_prompts_longer_than_the_context_are_refused_before_routing():
         assert fits.status_code == 200 and s.state("d0").served == 1
 
 
-@pytest.mark.parametrize("client", ["http1", "aiohttp"])
-def test_a_timed_out_request_is_not_retried_and_its_instance_is_ejected(client):
-    with stack(GatewayConfig(request_timeout_s=0.5, eject_s=3600, upstream_client=client)) as s:
+def test_a_timed_out_request_is_not_retried_and_its_instance_is_ejected():
+    with stack(GatewayConfig(request_timeout_s=0.5, eject_s=3600)) as s:
         s.engine("stuck", "m", "decode", 10.0, EngineTiming.constant(ttft_s=3600))
         s.engine("ok", "m", "decode", 1.0, FAST)
         url = f"{s.gateway.url}/v1/chat/completions"
@@ -340,84 +339,133 @@ def test_the_prefill_phase_times_out_from_its_own_budget_and_is_not_redone_by_de
         assert r.status_code == 200 and s.state("d0").prefills == 1
 
 
-def test_the_aiohttp_upstream_client_serves_pd_streams_and_retries_like_http1():
-    answers = {}
-    for client in ("http1", "aiohttp"):
-        with stack(GatewayConfig(upstream_client=client)) as s:
-            s.engine("p0", "m", "prefill", 1.0, FAST)
-            s.engine("d0", "m", "decode", 1.0, FAST)
-            dead = s.engine("d1", "m", "decode", 100.0, FAST)
-            dead.stop(force=True)  # picked first (larger weight), refuses the connection: retried on d0
-            r = httpx.post(f"{s.gateway.url}/v1/chat/completions", json=chat(n=5), timeout=10)
-            with httpx.stream("POST", f"{s.gateway.url}/v1/chat/completions", json=chat(n=3, stream=True)) as st:
-                streamed = st.read().decode()
-            assert r.status_code == 200 and r.headers["x-coral-instance"] == "d0"
-            assert streamed.rstrip().endswith("data: [DONE]")
-            answers[client] = (r.json()["choices"], streamed.count("data: "))
-            assert all(e.inflight == 0 for e in s.registry.all()) and s.gw.active == 0
-    assert answers["http1"] == answers["aiohttp"]
+def test_pd_streams_are_retried_past_a_refused_connection():
+    with stack() as s:
+        s.engine("p0", "m", "prefill", 1.0, FAST)
+        s.engine("d0", "m", "decode", 1.0, FAST)
+        dead = s.engine("d1", "m", "decode", 100.0, FAST)
+        dead.stop(force=True)  # picked first (larger weight), refuses the connection: retried on d0
+        r = httpx.post(f"{s.gateway.url}/v1/chat/completions", json=chat(n=5), timeout=10)
+        with httpx.stream("POST", f"{s.gateway.url}/v1/chat/completions", json=chat(n=3, stream=True)) as st:
+            streamed = st.read().decode()
+        assert r.status_code == 200 and r.headers["x-coral-instance"] == "d0"
+        assert len(r.json()["choices"][0]["message"]["content"].split()) == 5
+        assert streamed.rstrip().endswith("data: [DONE]") and streamed.count("data: ") == 4
+        assert all(e.inflight == 0 for e in s.registry.all()) and s.gw.active == 0
 
 
-@st.composite
-def framed_answers(draw) -> tuple[bytes, int, bytes]:
-    """(raw HTTP/1.1 answer, status, body): Content-Length, chunked (random splits, extensions, trailers,
-    header names and values in any case) or closed-delimited framing."""
-    status = draw(st.sampled_from([200, 201, 400, 404, 429, 500, 503]))
-    body = draw(st.binary(max_size=3000))
-    framing = draw(st.sampled_from(["length", "chunked", "close"]))
-    name = draw(st.sampled_from(["Content-Type", "content-type", "CONTENT-TYPE"]))
-    head = [f"HTTP/1.1 {status} X", f"{name}: application/json"]
-    if framing == "length":
-        head.append(f"{draw(st.sampled_from(['Content-Length', 'content-length']))}: {len(body)}")
-        payload = body
-    elif framing == "chunked":
-        te = draw(st.sampled_from(["Transfer-Encoding", "transfer-encoding"]))
-        head.append(f"{te}: {draw(st.sampled_from(['chunked', 'Chunked', 'CHUNKED']))}")
-        cuts = sorted(draw(st.lists(st.integers(0, len(body)), max_size=6)))
-        parts = [body[a:b] for a, b in zip([0, *cuts], [*cuts, len(body)], strict=True) if b > a]
-        ext = draw(st.sampled_from(["", ";x=1"]))
-        payload = b"".join(f"{len(p):x}{ext}\r\n".encode() + p + b"\r\n" for p in parts)
-        payload += b"0\r\n" + draw(st.sampled_from([b"", b"X-Trailer: 1\r\n"])) + b"\r\n"
-    else:
-        head.append("Connection: close")
-        payload = body
-    return ("\r\n".join(head) + "\r\n\r\n").encode() + payload, status, body
-
-
-@settings(max_examples=60, deadline=None)
-@given(framed_answers())
-def test_http1_parses_every_framing_as_aiohttp_does(answer):
-    from coral.runtime.aiohttp_pool import AiohttpPool
-    from coral.runtime.http1 import Http1Pool
-
-    raw, status, body = answer
-
-    async def run() -> list[tuple[int, bytes]]:
-        async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            await reader.readuntil(b"\r\n\r\n")
-            writer.write(raw)
-            await writer.drain()
-            writer.close()
-
-        server = await asyncio.start_server(serve, "127.0.0.1", 0)
-        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
-        seen = []
-        for pool in (Http1Pool(2.0, 10.0), AiohttpPool(2.0, 10.0)):
-            resp = await pool.post(url, "/v1/completions", b"{}", {"Content-Type": "application/json"})
-            seen.append((resp.status_code, b"".join([c async for c in resp.aiter_raw()])))
-            await resp.aclose()
-            await pool.aclose()
-        server.close()
-        await server.wait_closed()
-        return seen
-
-    assert asyncio.run(run()) == [(status, body), (status, body)]
-
-
-def test_serve_sizes_prefill_timeouts_from_the_scenarios_ttft_slos():
+def test_serve_sizes_phase_timeouts_from_the_scenarios_ttft_and_tpot_slos():
     from coral.catalog.loader import load_scenario
-    from coral.cli.runtime import prefill_timeouts
+    from coral.cli.runtime import prefill_timeouts, token_timeouts
 
     core = load_scenario("core")
     assert prefill_timeouts(core, 10.0) == {m.model: m.prefill_slo_ms / 100 for m in core.models}
-    assert prefill_timeouts(core, 0.0) == {}
+    assert token_timeouts(core, 10.0) == {m.model: m.decode_slo_ms / 100 for m in core.models}
+    assert prefill_timeouts(core, 0.0) == token_timeouts(core, 0.0) == {}
+
+
+def test_answer_budgets_follow_the_slos_and_max_tokens():
+    from coral.runtime.gateway import Budget, answer_budget
+
+    cfg = GatewayConfig(request_timeout_s=300, prefill_timeout_s={"m": 2.0}, token_timeout_s={"m": 0.5},
+                        max_prompt_tokens=1000)
+    streamed = {"model": "m", "prompt": "x", "max_tokens": 100, "stream": True}
+    assert answer_budget(cfg, "m", streamed, prefill_only=True) == Budget(2.0, 2.0, 2.0)
+    assert answer_budget(cfg, "m", streamed, prefill_only=False) == Budget(2.0, 0.5, 52.0)
+    whole = {**streamed, "stream": False}  # comes at the end: the first byte may take the whole bound
+    assert answer_budget(cfg, "m", whole, prefill_only=False) == Budget(52.0, 0.5, 52.0)
+    assert answer_budget(cfg, "m", {**whole, "max_tokens": 200}, prefill_only=False).total_s == 102.0
+    no_max = {"model": "m", "messages": [], "stream": True}  # unset: as many as the context holds
+    assert answer_budget(cfg, "m", no_max, prefill_only=False).total_s == 502.0
+    assert answer_budget(cfg, "other", streamed, prefill_only=False) == Budget(300, 300)  # no SLO: no bound
+
+
+def test_a_stream_that_stops_producing_tokens_is_cut_and_its_instance_ejected():
+    with stack(GatewayConfig(token_timeout_s={"m": 0.3}, eject_s=3600)) as s:
+        s.engine("slow", "m", "decode", 10.0, EngineTiming.constant(itl_s=3600))  # first token, then nothing
+        s.engine("ok", "m", "decode", 1.0, FAST)
+        url = f"{s.gateway.url}/v1/chat/completions"
+        with httpx.stream("POST", url, json=chat(n=4, stream=True), timeout=60) as r:
+            assert r.status_code == 200 and r.headers["x-coral-instance"] == "slow"
+            events = sse_events(r.read().decode())
+        assert len(events) == 2 and events[0]["choices"][0]["delta"]["content"]  # type: ignore[index]
+        assert "slow stalled mid-answer" in events[1]["error"]["message"]  # type: ignore[index]
+        assert s.state("ok").served == 0  # not sent again elsewhere
+        for stream in (True, False, True):
+            r = httpx.post(url, json=chat(n=4, stream=stream), timeout=60)
+            assert r.status_code == 200 and r.headers["x-coral-instance"] == "ok"
+        slow = s.registry.get("slow")
+        assert slow is not None and not slow.routable and slow.ejections == 1
+        assert 'coral_gateway_ejections_total{instance="slow"} 1.0' in httpx.get(f"{s.gateway.url}/metrics").text
+        assert all(e.inflight == 0 for e in s.registry.all()) and s.gw.active == 0
+
+
+def test_a_non_streamed_answer_is_bounded_by_its_max_tokens():
+    cfg = GatewayConfig(prefill_timeout_s={"m": 0.2}, token_timeout_s={"m": 0.1}, eject_s=3600)
+    with stack(cfg) as s:
+        s.engine("slow", "m", "decode", 10.0, EngineTiming.constant(itl_s=3600))
+        s.engine("ok", "m", "decode", 1.0, FAST)
+        url = f"{s.gateway.url}/v1/chat/completions"
+        r = httpx.post(url, json=chat(n=3), timeout=60)
+        assert r.status_code == 504 and "slow did not answer within 0.5 s" in r.json()["error"]["message"]
+        assert s.state("ok").served == 0
+        r = httpx.post(url, json=chat(n=100), timeout=60)  # a longer answer gets a longer bound
+        assert r.status_code == 200 and r.headers["x-coral-instance"] == "ok"
+        assert all(e.inflight == 0 for e in s.registry.all()) and s.gw.active == 0
+
+
+def test_an_ejected_instance_takes_one_request_at_a_time_until_one_completes():
+    from coral.runtime.registry import Endpoint, InstanceState
+
+    ep = Endpoint("e", "m", "decode", "http://x", 1.0, InstanceState.READY)
+    for k in range(1, 8):  # each consecutive ejection doubles its length, up to 16 x
+        before = time.monotonic()
+        ep.eject(10.0)
+        assert before + 10.0 * 2 ** min(k - 1, 4) <= ep.ejected_until <= time.monotonic() + 10.0 * 2 ** min(k - 1, 4)
+    with stack(GatewayConfig(request_timeout_s=0.5, eject_s=0.0)) as s:  # eject_s=0: on probation at once
+        s.engine("stuck", "m", "decode", 10.0, EngineTiming.constant(ttft_s=3600))
+        s.engine("ok", "m", "decode", 1.0, FAST)
+        url = f"{s.gateway.url}/v1/chat/completions"
+        assert httpx.post(url, json=chat(), timeout=60).status_code == 504
+        stuck = s.registry.get("stuck")
+        assert stuck is not None and stuck.ejections == 1 and stuck.routable
+        probe = s.registry.pick("m", "decode")  # its one request (it has most of the weight)
+        assert probe is stuck
+        for _ in range(4):  # while the probe is out, every request goes elsewhere
+            r = httpx.post(url, json=chat(), timeout=60)
+            assert r.status_code == 200 and r.headers["x-coral-instance"] == "ok"
+        s.registry.release(probe, ok=True)  # the probe completed: back in full rotation
+        assert stuck.ejections == 0
+        assert s.registry.pick("m", "decode") is stuck and s.registry.pick("m", "decode") is stuck
+        for _ in range(2):
+            s.registry.release(stuck, ok=False)
+
+
+def test_requests_pile_up_on_a_stuck_instance_only_up_to_its_weighted_share():
+    """An instance that answers nothing (and no timeout yet) stops getting new requests once it holds more than
+    `max_excess` above its weighted share of the pool's in-flight requests; the rest are served elsewhere."""
+    with stack(GatewayConfig(request_timeout_s=600)) as s:
+        s.engine("stuck", "m", "decode", 1.0, EngineTiming.constant(ttft_s=3600))
+        s.engine("ok", "m", "decode", 1.0, FAST)
+        stuck = s.registry.get("stuck")
+        assert stuck is not None
+
+        async def run() -> tuple[list[int], int]:
+            async with httpx.AsyncClient(base_url=s.gateway.url, timeout=600) as c:
+                tasks = []
+                for i in range(30):  # one at a time: each is answered by "ok" or held by "stuck"
+                    held = stuck.inflight
+                    task = asyncio.create_task(c.post("/v1/chat/completions", json=chat(text=f"q {i}")))
+                    while not task.done() and stuck.inflight == held:
+                        await asyncio.sleep(0.01)
+                    tasks.append(task)
+                done, held = [t.result().status_code for t in tasks if t.done()], stuck.inflight
+                for t in tasks:
+                    t.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+                return done, held
+
+        answered, held = asyncio.run(run())
+        # equal weights: picked while held - (held + 1) / 2 <= max_excess, i.e. at most 2 max_excess + 2 times
+        assert 1 <= held <= 2 * s.registry.max_excess + 2 and answered == [200] * (30 - held)
+        assert s.state("ok").served == 30 - held

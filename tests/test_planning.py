@@ -190,3 +190,22 @@ def test_search_meets_every_target_on_core_held_out() -> None:
     assert all(res.plan.slo.held_out[m] >= 0.9 for m in res.plan.slo.target)
     for s in res.plan.serving:
         assert s.headroom is not None and math.isclose(s.headroom, res.headroom[(s.model, Phase(s.phase))])
+
+
+@pytest.mark.slow
+def test_a_target_single_requests_cannot_meet_gets_a_real_verdict() -> None:
+    """phi-4 on core's nodes with a 600 ms TTFT SLO: its longest prompts cannot be prefilled in time on any
+    template, however many there are, so 99 % is out of reach and the verdict says so and names what is."""
+    from coral.allocation.availability import resolve_availability
+    from coral.planning import allocator_planner
+    from coral.templates.build import build_library
+
+    core = load_scenario("core")
+    phi = core.models[0].model_copy(update={"prefill_slo_ms": 600.0, "request_rate": 2.0, "slo_attainment": 0.99})
+    sc = core.model_copy(update={"name": "tight", "models": [phi], "epochs": 1, "epoch_minutes": 10})
+    lib = build_library(sc, workers=1)
+    res = search_plan(allocator_planner(lib, sc, resolve_availability(sc, lib)), sc,
+                      SearchSettings(max_rounds=3, held_out_seeds=(1,)))
+    assert res.plan is not None and res.plan.slo is not None and not res.met
+    verdict = res.plan.slo.verdict["phi-4"]
+    assert verdict.startswith("fail") and "even served alone" in verdict and "slo_attainment <=" in verdict

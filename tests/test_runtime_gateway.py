@@ -411,7 +411,7 @@ def test_upstream_keepalive_survives_engine_restart_on_the_same_port():
         srv = s.engine("d0", "m", "decode", 1.0, FAST)
         url = f"{s.gateway.url}/v1/chat/completions"
         assert httpx.post(url, json=chat(), timeout=10).status_code == 200
-        assert s.gw.http.idle  # the connection was kept alive
+        assert srv.server.server_state.connections  # type: ignore[union-attr]  # the connection was kept alive
         srv.stop()
         s.engines["d0"] = ServerThread(create_engine_app("d0", "m", "decode", FAST), port=srv.port).start()
         for stream in (False, True):
@@ -421,22 +421,19 @@ def test_upstream_keepalive_survives_engine_restart_on_the_same_port():
 
 
 @pytest.mark.parametrize(
-    ("answer", "body", "reusable"),
+    ("answer", "body"),
     [
-        (b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhello", b"hello", True),
-        (
-            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3;x=1\r\nhel\r\n2\r\nlo\r\n0\r\nT: 1\r\n\r\n",
-            b"hello",
-            True,
-        ),
-        (b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\nhello", b"hello", False),
-        (b"HTTP/1.1 204 No Content\r\n\r\n", b"", True),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhello", b"hello"),
+        (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3;x=1\r\nhel\r\n2\r\nlo\r\n0\r\nT: 1\r\n\r\n", b"hello"),
+        (b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\nhello", b"hello"),
+        (b"HTTP/1.1 204 No Content\r\n\r\n", b""),
     ],
 )
-def test_http1_pool_reads_each_body_framing(answer, body, reusable):
-    from coral.runtime.http1 import Http1Pool
+def test_upstream_pool_relays_each_body_framing_unframed(answer, body):
+    """The gateway relays `aiter_raw` as the body: chunked framing removed, every framing read to its end."""
+    from coral.runtime.aiohttp_pool import AiohttpPool
 
-    async def run() -> tuple[int, bytes, int]:
+    async def run() -> tuple[int, bytes]:
         async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             head = await reader.readuntil(b"\r\n\r\n")
             n = int(
@@ -450,21 +447,20 @@ def test_http1_pool_reads_each_body_framing(answer, body, reusable):
 
         server = await asyncio.start_server(handle, "127.0.0.1", 0)
         port = server.sockets[0].getsockname()[1]
-        pool = Http1Pool(1.0, 2.0)
+        pool = AiohttpPool(1.0)
         resp = await pool.post(f"http://127.0.0.1:{port}", "/x", b"{}", {})
         data = b"".join([c async for c in resp.aiter_raw()])
         await resp.aclose()
-        idle = sum(len(v) for v in pool.idle.values())
         await pool.aclose()
         server.close()
-        return resp.status_code, data, idle
+        return resp.status_code, data
 
-    status, data, idle = asyncio.run(run())
-    assert data == body and status in (200, 204) and idle == (1 if reusable else 0)
+    status, data = asyncio.run(run())
+    assert data == body and status in (200, 204)
 
 
-def test_http1_pool_raises_oserror_on_garbage_and_refused_connections():
-    from coral.runtime.http1 import Http1Pool, UpstreamConnectionError
+def test_upstream_pool_raises_oserror_on_garbage_and_refused_connections():
+    from coral.runtime.aiohttp_pool import AiohttpPool, UpstreamConnectionError
 
     async def run() -> None:
         async def handle(_r: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -474,12 +470,59 @@ def test_http1_pool_raises_oserror_on_garbage_and_refused_connections():
 
         server = await asyncio.start_server(handle, "127.0.0.1", 0)
         port = server.sockets[0].getsockname()[1]
-        pool = Http1Pool(1.0, 2.0)
+        pool = AiohttpPool(1.0)
         with pytest.raises(UpstreamConnectionError):
             await pool.post(f"http://127.0.0.1:{port}", "/x", b"{}", {})
         server.close()
         await server.wait_closed()
         with pytest.raises(OSError):
             await pool.post(f"http://127.0.0.1:{port}", "/x", b"{}", {})
+        await pool.aclose()
 
     asyncio.run(run())
+
+
+def test_upstream_pool_resends_once_a_request_dropped_unanswered_on_a_kept_alive_connection():
+    """The race of a server closing an idle keep-alive connection as a request goes out on it: the request is
+    sent again on a new connection (once: a server that drops every request is an error)."""
+    from coral.runtime.aiohttp_pool import AiohttpPool, UpstreamConnectionError
+
+    async def run() -> tuple[list[int], int]:
+        connections = 0
+        drop_all = False
+
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            nonlocal connections
+            connections += 1
+            first_connection = connections == 1
+            served = 0
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                n = int(next(h for h in head.split(b"\r\n") if h.lower().startswith(b"content-length")).split(b":")[1])
+                await reader.readexactly(n)
+                if drop_all or (first_connection and served == 1):
+                    writer.close()
+                    return
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+                await writer.drain()
+                served += 1
+
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        pool = AiohttpPool(1.0)
+        statuses = []
+        for _ in range(2):
+            resp = await pool.post(url, "/x", b"{}", {})
+            assert b"".join([c async for c in resp.aiter_raw()]) == b"ok"
+            await resp.aclose()
+            statuses.append(resp.status_code)
+        seen = connections
+        drop_all = True
+        with pytest.raises(UpstreamConnectionError):
+            await pool.post(url, "/x", b"{}", {})
+        await pool.aclose()
+        server.close()
+        return statuses, seen
+
+    statuses, connections = asyncio.run(run())
+    assert statuses == [200, 200] and connections == 2

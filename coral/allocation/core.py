@@ -150,11 +150,12 @@ def make_columns(
             ran = np.array(sorted(t for t in run_pairs if library.model[t] == model and library.phase[t] == phase_
                                   and library.throughput[t] > 0), dtype=np.int64)
             rows = np.union1d(kept, ran) if len(ran) else kept
+        cnt = library.counts[rows]
         for r in range(len(market.regions)):
-            offered = ((library.counts[rows] > 0) <= np.isfinite(market.price[r])).all(axis=1)
+            offered = ((cnt > 0) <= np.isfinite(market.price[r])).all(axis=1)
             ok = offered
             if reduce:
-                fits = (library.counts[rows] <= market.avail[r]).all(axis=1)
+                fits = (cnt <= market.avail[r]).all(axis=1)
                 ok = offered & fits
             if run_pairs:
                 ok |= np.isin(rows, [t for t, regs in run_pairs.items() if r in regs]) & offered
@@ -163,7 +164,7 @@ def make_columns(
     template = np.concatenate([q[0] for q in parts]) if parts else np.zeros(0, dtype=np.int64)
     region = np.concatenate([q[1] for q in parts]) if parts else np.zeros(0, dtype=np.int64)
     key = np.concatenate([np.full(len(q[0]), q[2]) for q in parts]) if parts else np.zeros(0, dtype=np.int64)
-    counts = library.counts[template].astype(np.int64)
+    counts = library.counts[template]
     price = np.where(np.isfinite(market.price), market.price, 0.0)
     cost = (counts * price[region]).sum(axis=1)
     thr = library.throughput[template].astype(float)
@@ -182,6 +183,15 @@ def make_columns(
     run = np.zeros(len(template))
     for (t, reg), n in running.items():
         run[(template == t) & (region == region_idx[reg])] = n
+    if reduce and len(template):
+        usage = np.where(np.isfinite(market.avail[region]), counts, 0)  # scarce nodes, compared within one region
+        ratings = thr[:, None] if class_thr is None else np.where(np.isin(key, list(split))[:, None], class_thr,
+                                                                   thr[:, None])
+        alive = pareto_columns(key * len(market.regions) + region, cost, ratings, usage, run > 0)
+        template, region, key, thr, cost, counts, run = (
+            a[alive] for a in (template, region, key, thr, cost, counts, run))
+        class_thr = None if class_thr is None else class_thr[alive]
+    counts = counts.astype(np.int64)
     with np.errstate(divide="ignore", invalid="ignore"):
         cap = np.where(counts > 0, np.floor(market.avail[region] / np.maximum(counts, 1)), np.inf).min(axis=1)
     with np.errstate(divide="ignore"):
@@ -190,18 +200,8 @@ def make_columns(
             on = key == k
             ct = class_thr[on, :len(split[k])] if class_thr is not None else np.zeros((0, 0))
             need[on] = np.ceil((demand[k] * split[k] / np.where(ct > 0, ct, np.inf)).sum(axis=1) - 1e-9)
-    upper = np.minimum(cap, need)
-    cols = Columns(template, region, key, thr, cost, counts, run, upper, dropped=total - len(template),
-                   class_thr=class_thr, split=split)
-    if not reduce or not len(template):
-        return cols
-    usage = np.where(np.isfinite(market.avail[region]), counts, 0)  # scarce nodes, compared within one region
-    ratings = thr[:, None] if class_thr is None else np.where(np.isin(key, list(split))[:, None], class_thr,
-                                                               thr[:, None])
-    alive = pareto_columns(key * len(market.regions) + region, cost, ratings, usage, run > 0)
-    return Columns(template[alive], region[alive], key[alive], thr[alive], cost[alive], counts[alive], run[alive],
-                   upper[alive], dropped=total - int(alive.sum()),
-                   class_thr=None if class_thr is None else class_thr[alive], split=split)
+    return Columns(template, region, key, thr, cost, counts, run, np.minimum(cap, need),
+                   dropped=total - len(template), class_thr=class_thr, split=split)
 
 
 @dataclass

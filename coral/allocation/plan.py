@@ -120,12 +120,16 @@ class ModelServing(_PlanModel):
 
 class SloCheck(_PlanModel):
     """Simulated SLO attainment of a plan per model (both TTFT and TPOT met) against its target: on the requests
-    the planner tuned on, and on held-out requests (other trace segments) it never saw."""
+    the planner tuned on (cautiously: see `coral.planning.slo_search.worst_of`), and on held-out requests (other
+    trace segments) it never saw."""
 
     target: dict[str, float] = Field(description="per model: the fraction of requests that must meet both SLOs")
     tuned: dict[str, float] = Field(description="per model: attainment on the tuning requests")
     held_out: dict[str, float] = Field(default_factory=dict,
-                                       description="per model: least attainment over the held-out request sets")
+                                       description="per model: attainment over all held-out requests (the mean over "
+                                       "the held-out sets, which are of equal length); the verdict is on this")
+    held_out_worst: dict[str, float] = Field(default_factory=dict,
+                                             description="per model: attainment on its worst held-out set alone")
     held_out_seeds: list[int] = Field(default_factory=list, description="workload seeds of the held-out sets")
     duration_s: float = Field(gt=0, description="simulated seconds per request set")
     verdict: dict[str, str] = Field(default_factory=dict,

@@ -105,6 +105,8 @@ PRICE_BATCH = 400
 CUT_ROUNDS = 12  # 0 disables the cutting-plane rounds (benchmarks compare)
 CUT_MULTIPLES = (1, 2, 3)
 SEPARATE = True  # False skips the separate optima of the parts (benchmarks compare)
+FULL_MIP_COLUMNS = 12_000  # short of time, the final MIP keeps this many columns of least reduced cost
+MIP_S_PER_COLUMN = 2e-4  # seconds per column below which the time left counts as short
 
 
 def _seed(p: Problem, start: np.ndarray | None) -> np.ndarray:
@@ -345,10 +347,9 @@ def solve(
     x = np.zeros(p.n)
     y = np.zeros(len(p.row_lower))
     objective, bound, lp_bound, statuses, n_cols, n_rows = 0.0, 0.0, 0.0, [], 0, 0
-    sizes = np.array([len(b) for b in blocks], dtype=float)
     for i, b in enumerate(blocks):
         sub, rows = subproblem(p, b)
-        out = solve_block(sub, time_limit=_slice(time_limit - (time.perf_counter() - t0), sizes, i), gap=gap,
+        out = solve_block(sub, time_limit=_slice(time_limit - (time.perf_counter() - t0), len(blocks) - i), gap=gap,
                           start=None if start is None else start[b])
         statuses.append(out.status)
         if out.row_dual is not None:
@@ -402,18 +403,23 @@ def separate_optima(p: Problem, *, time_limit: float, gap: float, start: np.ndar
     todo = list(range(len(parts)))
     abs_gap: float | None = None
     while todo:
-        sizes = np.array([len(parts[i]) for i in todo], dtype=float)
-        for pos, i in enumerate(todo):
-            cols = parts[i]
-            sub, _rows = subproblem(p, cols)
-            out = solve_block(sub, time_limit=_slice(time_limit - (time.perf_counter() - t0), sizes, pos), gap=gap,
-                              separate=False, start=None if start is None else start[cols], abs_gap=abs_gap)
-            if out.x is None or out.bound is None or not np.isfinite(out.bound):
-                return None
-            x[cols] = out.x
-            bounds[i] = max(bounds[i], out.bound)
-            statuses[i] = out.status
-            n_cols += out.n_cols
+        # time by need: a first pass gives every part an even share of half the time left; the parts that did
+        # not close their gap in it go on from their incumbents with what is left, shared evenly
+        for again in (False, True):
+            pending = [i for i in todo if not again or statuses[i] != "Optimal"]
+            for pos, i in enumerate(pending):
+                cols = parts[i]
+                sub, _rows = subproblem(p, cols)
+                left = (time_limit - (time.perf_counter() - t0)) * (1.0 if again else 0.5)
+                warm = x[cols] if again else None if start is None else start[cols]
+                out = solve_block(sub, time_limit=_slice(left, len(pending) - pos), gap=gap, separate=False,
+                                  start=warm, abs_gap=abs_gap)
+                if out.x is None or out.bound is None or not np.isfinite(out.bound):
+                    return None
+                x[cols] = out.x
+                bounds[i] = max(bounds[i], out.bound)
+                statuses[i] = out.status
+                n_cols += out.n_cols
         over = overflowing_rows(p, x)
         if not over.any():
             break
@@ -433,10 +439,10 @@ def separate_optima(p: Problem, *, time_limit: float, gap: float, start: np.ndar
     return SeparateOptima(parts, x, bounds, statuses, n_cols, n_initial)
 
 
-def _slice(left: float, sizes: np.ndarray, i: int) -> float:
-    """Part i's share of the time `left` for parts i, i+1, … in proportion to their sizes (columns): a part that
-    finishes early leaves its unused time to the parts after it."""
-    return max(0.05, left * float(sizes[i] / sizes[i:].sum()))
+def _slice(left: float, n_left: int) -> float:
+    """One of `n_left` parts' even share of the time `left` (a part that finishes early leaves its unused time to
+    the parts after it)."""
+    return max(0.05, left / max(n_left, 1))
 
 
 def gap_budget(cost: np.ndarray, x: np.ndarray, parts: list[np.ndarray], bounds: np.ndarray, gap: float) -> float:
@@ -552,6 +558,20 @@ def solve_block(
     alive &= ~p.artificial
     cols = np.flatnonzero(alive)
     notes.append(f"reduced-cost fixing kept {len(cols)} of {p.n} columns (incumbent {ub:.6g})")
+    # HiGHS overruns a short limit on a large MIP (set-up before it checks the clock): with less time left than
+    # MIP_S_PER_COLUMN per column, the final MIP keeps the FULL_MIP_COLUMNS columns of least reduced cost
+    partial = len(cols) > FULL_MIP_COLUMNS and time_limit - (time.perf_counter() - t0) < MIP_S_PER_COLUMN * len(cols)
+    if partial:
+        must = p.protected[cols] | (np.zeros(len(cols), dtype=bool) if incumbent is None else incumbent[cols] > 0)
+        cols = np.union1d(cols[must], cols[np.argsort(rc[cols], kind="stable")[:FULL_MIP_COLUMNS]])
+        if p.parent is not None:  # with the shares of every kept column and the columns of every kept share
+            sel = np.zeros(p.n, dtype=bool)
+            sel[cols] = True
+            share = p.parent >= 0
+            sel[share] |= sel[p.parent[share]]
+            sel[p.parent[share & sel]] = True
+            cols = np.flatnonzero(sel)
+        notes.append(f"final MIP on the {len(cols)} columns of least reduced cost (its bound is not the problem's)")
     spent = time.perf_counter() - t0
     res = milp.solve(p.cost[cols], np.zeros(len(cols)), p.upper[cols], p.integer[cols], p.rows(cols),
                      time_limit=max(0.05, time_limit - spent), gap=gap, abs_gap=abs_gap,
@@ -563,7 +583,7 @@ def solve_block(
     elif incumbent is not None:
         x = incumbent
     objective = float(p.cost @ x) if x is not None else None
-    mip_bound = res.bound if res.bound is not None and np.isfinite(res.bound) else -np.inf
+    mip_bound = res.bound if res.bound is not None and np.isfinite(res.bound) and not partial else -np.inf
     bound = max(z, separate_bound, mip_bound)
     gap_out = None
     if objective is not None:

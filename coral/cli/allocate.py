@@ -79,7 +79,7 @@ def allocate_cmd(
     from coral.allocation.allocator import MODES, allocate
     from coral.allocation.availability import resolve_availability
     from coral.allocation.plan import Plan
-    from coral.deploy.vllm import engine_library
+    from coral.templates.engines import engine_library
     from coral.templates.store import load_library
 
     if mode not in MODES:

@@ -9,10 +9,20 @@ from pathlib import Path
 import typer
 from rich.status import Status
 
-from coral.catalog.loader import CoralInputError, builtin_catalog, load_scenario
-from coral.cli.common import DEFAULT_OUT, ENGINE_HELP, console, friendly_errors
+from coral.catalog.loader import CoralInputError
+from coral.cli.common import (
+    DEFAULT_OUT,
+    ENGINE_HELP,
+    OFFERINGS_HELP,
+    console,
+    friendly_errors,
+    scenario_and_market,
+)
 from coral.perf.model import Phase
 from coral.report.terminal import FoldingTable
+
+#: seconds before an instance a re-plan starts serves (the simulator's default)
+STARTUP_DELAY_S = 300.0
 
 
 def register(app: typer.Typer) -> None:
@@ -31,6 +41,7 @@ def run_cmd(
     baselines: str = typer.Option(
         "searched", help="searched: each baseline gets its own SLO search (equal attainment) | same-headroom: "
         "baselines planned once with Coral's headroom (faster, unequal attainment) | none"),
+    offerings: Path | None = typer.Option(None, help=OFFERINGS_HELP),
 ) -> None:
     """Build (or load) the template library; find with the simulator in the loop the cheapest Coral plan (and
     baseline plans) meeting every model's SLO-attainment target on the tuning requests; score each on held-out
@@ -39,29 +50,30 @@ def run_cmd(
     from coral.allocation import baselines as base
     from coral.allocation.allocator import allocate
     from coral.allocation.availability import resolve_availability
-    from coral.deploy.vllm import engine_library
+    from coral.allocation.forecast import DemandForecaster, LatencyCorrection
     from coral.planning import SearchSettings, allocator_planner, search_plan
-    from coral.planning.slo_search import score, with_traffic
+    from coral.planning.slo_search import score, simulator_evaluator, with_traffic
     from coral.report import build_report
     from coral.report.adapters import inputs_from_sim, method_result
     from coral.report.terminal import print_comparison, print_plan
     from coral.report.view import plan_fingerprint
     from coral.simulation.replan import allocator_replanner
     from coral.simulation.run import simulate
+    from coral.templates.engines import engine_library
     from coral.templates.store import load_library
     from coral.workload.traces import stand_in_notes, workload_for
 
     if baselines not in ("searched", "same-headroom", "none"):
         raise CoralInputError(f"--baselines: must be searched, same-headroom or none, not {baselines!r}")
     t_start = time.perf_counter()
-    sc = load_scenario(scenario)
+    sc, cat = scenario_and_market(scenario, offerings)
     folder = out / f"run-{sc.name}"
     folder.mkdir(parents=True, exist_ok=True)
     for note in stand_in_notes(sc):
         console.print(f"[yellow]note:[/] {note}")
-    lib = engine_library(load_library(scenario, out), engine, builtin_catalog())
+    lib = engine_library(load_library(scenario, out, cat), engine, cat)
     console.print(f"library: {len(lib):,} templates for {len(lib.keys())} (model, phase) pairs")
-    avail = resolve_availability(sc, lib)
+    avail = resolve_availability(sc, lib, cat)
     settings = SearchSettings(duration_s=duration, time_budget_s=budget)
     methods = {"coral": allocate, "homo-greedy": base.homo_greedy, "cauchy-paper": base.cauchy_paper}
     if baselines == "none":
@@ -76,7 +88,8 @@ def run_cmd(
                 status.update(f"{name}: {line}")
                 console.print(f"  {name} {line}")
 
-            result = search_plan(allocator_planner(lib, sc, avail, method=method), sc, settings, progress=show)
+            result = search_plan(allocator_planner(lib, sc, avail, cat, method=method), sc, settings,
+                                 catalog=cat, progress=show)
         if result.plan is None:
             raise CoralInputError(f"{name}: no plan in any round of the search: "
                                   + "; ".join(r.note for r in result.rounds if r.note))
@@ -93,8 +106,9 @@ def run_cmd(
         traffic = {(s.model, Phase(s.phase)): s.traffic_tokens_s or 0.0 for s in plan.serving}
         demand = {k: v * room[k] for k, v in traffic.items()}
         for name in ("homo-greedy", "cauchy-paper"):
-            p = with_traffic(methods[name](lib, sc, demand=demand, availability=avail), traffic)
-            p.slo = score(p, sc, settings, duration_s, {}, room)
+            p = with_traffic(methods[name](lib, sc, demand=demand, availability=avail, catalog=cat), traffic)
+            p.slo = score(p, sc, settings, duration_s, {}, room,
+                          evaluate=simulator_evaluator(sc, duration_s, cat))
             plans[name] = p
     others = [p for name, p in plans.items() if name != "coral"]
     print_plan(plan, console)
@@ -104,22 +118,25 @@ def run_cmd(
 
     seed = plan.slo.held_out_seeds[0] if plan.slo.held_out_seeds else settings.tune_seeds[0]
     requests = workload_for(sc, duration_s, seed)
+    replanner = allocator_replanner(lib, sc, catalog=cat, headroom=room, initial=plan, forecaster=DemandForecaster(60.0),
+                                    correction=LatencyCorrection.for_scenario(sc), ahead_s=STARTUP_DELAY_S,
+                                    hold=0.25)
     with console.status(f"simulating {duration_s:.0f} s of held-out traffic with re-planning every "
-                        f"{sc.epoch_minutes:g} min"):
-        sim = simulate(allocator_replanner(lib, sc, headroom=room, initial=plan), sc, requests,
-                       duration_s=duration_s, seed=seed)
+                        f"{sc.epoch_minutes:g} min (demand forecast and latency correction)"):
+        sim = simulate(replanner, sc, requests, duration_s=duration_s, seed=seed, startup_delay_s=STARTUP_DELAY_S,
+                       catalog=cat)
     sim.plan_fingerprint = plan_fingerprint(plan)  # the run starts from this plan, then re-plans
     sim.save_json(folder / "sim.json")
     sim.plots(folder)
     fixed = []
     for p in plans.values():
         with console.status(f"simulating the {p.method} plan held fixed"):
-            run = simulate(p, sc, requests, duration_s=duration_s, seed=seed)
+            run = simulate(p, sc, requests, duration_s=duration_s, seed=seed, catalog=cat)
         run.plan_fingerprint = plan_fingerprint(p)
         run.save_json(folder / f"sim.fixed.{p.method}.json")
         fixed.append(method_result(run, p.method, "plan held fixed"))
     inputs = inputs_from_sim(sim, sc, plan.method)
-    inputs.methods = [method_result(sim, plan.method, f"re-planned every {sc.epoch_minutes:g} min"), *fixed]
+    inputs.methods = [method_result(sim, plan.method, f"re-planned every {sc.epoch_minutes:g} min, forecast"), *fixed]
     (folder / "report-inputs.json").write_text(inputs.model_dump_json(indent=1))
     report = folder / "report.html"
     report.write_text(build_report(plan, baselines=others, sim=inputs))
@@ -132,11 +149,12 @@ def run_cmd(
                            f"{r.slo_attainment:.1%}", f"{r.cost_per_hour:,.2f}")
     console.print(attainment)
     verdicts = FoldingTable(title=f"Verdict per model: Coral's plan, ${plan.cost_per_hour:,.2f}/h")
-    for col in ("model", "target", "tuned", "held-out (least)", "verdict"):
+    for col in ("model", "target", "tuned (cautious)", "held-out", "worst held-out set", "verdict"):
         verdicts.add_column(col, justify="left" if col in ("model", "verdict") else "right")
     for m, target in plan.slo.target.items():
         verdicts.add_row(m, f"{target:.1%}", f"{plan.slo.tuned.get(m, 0.0):.1%}",
-                         f"{plan.slo.held_out.get(m, 0.0):.1%}", plan.slo.verdict.get(m, ""))
+                         f"{plan.slo.held_out.get(m, 0.0):.1%}", f"{plan.slo.held_out_worst.get(m, 0.0):.1%}",
+                         plan.slo.verdict.get(m, ""))
     console.print(verdicts)
     summary = {
         "scenario": sc.name,

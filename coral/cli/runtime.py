@@ -70,6 +70,12 @@ def prefill_timeouts(scenario: Scenario, factor: float) -> dict[str, float]:
     return {m.model: factor * m.prefill_slo_ms / 1e3 for m in scenario.models} if factor > 0 else {}
 
 
+def token_timeouts(scenario: Scenario, factor: float) -> dict[str, float]:
+    """Per model, how long a streamed answer may go without a chunk, and per output token in the bound of a
+    whole answer: `factor` x its TPOT SLO (none when `factor` is 0)."""
+    return {m.model: factor * m.decode_slo_ms / 1e3 for m in scenario.models} if factor > 0 else {}
+
+
 def run_server(app: FastAPI, host: str, port: int, grace_s: float) -> None:
     """Serve `app` until SIGTERM/SIGINT, then drain for at most `grace_s` (a second signal: at once)."""
     DrainingServer(server_config(app, host, port, grace_s=grace_s)).run()
@@ -86,8 +92,9 @@ def allocator_planner(
     warm from the `running` plan so unchanged instances are kept. Without `observe` it plans the scenario's
     demand; with it (what the gateway saw since the last call, one call per `interval_s`: `TrafficMeter.observe`)
     each call re-plans for the forecast of the coming interval's traffic × the scenario's headroom × the
-    latency correction (`coral.allocation.forecast`), holding (model, phase)s already within 25 % above it
-    (`coral.simulation.replan.allocator_replanner`, the re-planner the simulator measures)."""
+    latency correction (`coral.allocation.forecast`), holding (model, phase)s already within 25 % above it and
+    keeping at least one instance of each, idle or not (`coral.simulation.replan.allocator_replanner`, the
+    re-planner the simulator measures)."""
     from coral.templates.library import TemplateLibrary
 
     try:
@@ -106,7 +113,7 @@ def allocator_planner(
     if observe is None:
         return lambda: allocate(library, scenario, running=running())
     replan = allocator_replanner(library, scenario, forecaster=DemandForecaster(interval_s),
-                                 correction=LatencyCorrection.for_scenario(scenario), hold=0.25)
+                                 correction=LatencyCorrection.for_scenario(scenario), hold=0.25, floor_tokens_s=1.0)
 
     def plan() -> Plan:
         observed = observe()
@@ -184,8 +191,10 @@ def register(app: typer.Typer) -> None:
         read_tokens_file: Path | None = typer.Option(None, help=READ_HELP),
         grace: float = typer.Option(30.0, help=GRACE_HELP),
         slo_timeout: float = typer.Option(
-            10.0, help="a prefill instance that has not answered within this many times the model's TTFT SLO (times "
-            "--time-scale for emulated engines) is timed out, not retried elsewhere, and ejected for a while; 0 = off"
+            10.0, help="an instance that has not answered the prefill call or sent an answer's first token within this "
+            "many times the model's TTFT SLO, gone this many times its TPOT SLO without a token, or not finished an "
+            "answer within this many times (TTFT SLO + max_tokens x TPOT SLO) (times --time-scale for emulated "
+            "engines) is timed out, not retried elsewhere, and ejected for a while; 0 = off"
         ),
     ) -> None:
         """Run controller + gateway + engines; OpenAI API on http://HOST:PORT/v1, state on /state."""
@@ -207,12 +216,13 @@ def register(app: typer.Typer) -> None:
         elif backend == "coral":
             from coral.runtime.coral_backend import CoralEngineBackend
 
-            engines = CoralEngineBackend(checkpoint, log_dir=DEFAULT_OUT / "engine-logs")
+            engines = CoralEngineBackend(checkpoint, log_dir=DEFAULT_OUT / "engine-logs", api_key=store.engine_token())
         else:
             raise CoralInputError(
                 f"--backend {backend!r}: must be 'emulated', 'vllm' or 'coral'; for clusters render manifests with `coral deploy`"
             )
-        meter = TrafficMeter(load_scenario(scenario))  # reads the gateway once build_runtime has made it
+        slos = load_scenario(scenario)
+        meter = TrafficMeter(slos)  # reads the gateway once build_runtime has made it
         if plan is not None:
             Plan.load(plan)  # fail now on a bad file
             plan_path = plan
@@ -223,9 +233,12 @@ def register(app: typer.Typer) -> None:
         if len(admin) > 1:
             raise CoralInputError(f"{admin_token_file or ADMIN_TOKEN_ENV}: holds more than one admin token")
         scale = max(1.0, time_scale) if backend == "emulated" else 1.0
-        timeouts = prefill_timeouts(load_scenario(scenario), slo_timeout * scale)
+        timeouts = GatewayConfig(
+            prefill_timeout_s=prefill_timeouts(slos, slo_timeout * scale),
+            token_timeout_s=token_timeouts(slos, slo_timeout * scale),
+        )
         cfg = access_config(
-            GatewayConfig(prefill_timeout_s=timeouts), api_keys_file, rate_limit, host, read_tokens_file,
+            timeouts, api_keys_file, rate_limit, host, read_tokens_file,
             admin[0] if admin else None,
         )
         if not admin and host not in ("127.0.0.1", "localhost", "::1"):

@@ -18,7 +18,7 @@ import tempfile
 import threading
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
@@ -50,6 +50,7 @@ class EngineConfig:
     http: bool = True  # serve the OpenAI API (False: drive `scheduler` directly)
     port: int = 0  # HTTP port (0: a free one)
     tensor_parallel: bool = True  # a node of TP degree t runs as t processes (1 when `local`; see `node_tp`)
+    api_key: str | None = field(default=None, repr=False)  # the gateway's engine token: `/v1/*` needs it
 
 
 class CoralInstance:
@@ -188,7 +189,7 @@ class CoralInstance:
         tokenizer = AutoTokenizer.from_pretrained(self.checkpoint)
         vocab = int(AutoConfig.from_pretrained(self.checkpoint).vocab_size)
         app = create_instance_app(self.scheduler, tokenizer, vocab, self.layout.model, self.layout.instance_id,
-                                  self._nodes_alive)
+                                  self._nodes_alive, self.config.api_key)
         self.server = ServerThread(app, host=self.config.host, port=self.config.port).start()
 
     def _nodes_alive(self) -> bool:

@@ -26,7 +26,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from coral.engine.scheduler import Request as EngineRequest
 from coral.engine.scheduler import Scheduler
-from coral.openai_shapes import chunk, full, max_tokens_of
+from coral.openai_shapes import bearer_allowed, chunk, full, max_tokens_of
 
 Event = tuple[int | None, str | None, list[float] | None]
 
@@ -77,10 +77,17 @@ def create_instance_app(
     model: str,
     instance_id: str,
     nodes_alive: Callable[[], bool] = lambda: True,
+    api_key: str | None = None,
 ) -> FastAPI:
-    """The HTTP app of an instance whose requests `scheduler` runs; /health fails once a node is gone."""
-    app = FastAPI(title=f"coral engine {instance_id}")
+    """The HTTP app of an instance whose requests `scheduler` runs; /health fails once a node is gone. With
+    `api_key` (the gateway's engine token), `/v1/*` needs `Authorization: Bearer API_KEY`; `/health` stays open."""
+    app = FastAPI(title=f"coral engine {instance_id}", docs_url=None, redoc_url=None, openapi_url=None)
     eos = frozenset(int(t) for t in [tokenizer.eos_token_id] if t is not None)
+
+    def denied(request: Request) -> JSONResponse | None:
+        if bearer_allowed(request.headers.get("authorization", ""), api_key or None):
+            return None
+        return _error(401, "this engine needs the gateway's token", "authentication_error")
 
     @app.get("/health")
     async def health() -> Any:
@@ -90,10 +97,14 @@ def create_instance_app(
                 "batches": scheduler.batches, "remote_prefills": scheduler.remote_prefills}
 
     @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
+    async def models(request: Request) -> Any:
+        if (refused := denied(request)) is not None:
+            return refused
         return {"object": "list", "data": [{"id": model, "object": "model", "owned_by": "coral-engine"}]}
 
     async def complete(request: Request, chat: bool) -> Any:
+        if (refused := denied(request)) is not None:
+            return refused
         body = await request.json()
         if body.get("model") != model:
             return _error(404, f"model {body.get('model')!r} is not served here ({model})", "NotFound")

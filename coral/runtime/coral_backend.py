@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import threading
+from dataclasses import replace
 from pathlib import Path
 
 from coral.allocation.plan import PlanInstance
@@ -25,15 +26,20 @@ def default_cache_dir() -> Path:
 
 
 class CoralEngineBackend:
+    """Coral engine instances on this machine; with `api_key`, their `/v1/*` answers only requests bearing it
+    (the gateway's `upstream_api_key`)."""
+
     def __init__(
         self,
         checkpoint: Path | None = None,
         config: EngineConfig | None = None,
         cache_dir: Path | None = None,
         log_dir: Path | None = None,
+        api_key: str | None = None,
     ) -> None:
         self.checkpoint = checkpoint
-        self.config = config or EngineConfig()
+        config = config or EngineConfig()
+        self.config = replace(config, api_key=api_key) if api_key else config
         self.cache_dir = cache_dir or default_cache_dir()
         self.log_dir = log_dir
         self.instances: dict[str, CoralInstance] = {}

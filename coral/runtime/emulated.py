@@ -15,7 +15,6 @@ takes the request id from `X-Request-Id` (`chatcmpl-ID` / `cmpl-ID`), refuses `m
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import time
 import uuid
@@ -31,7 +30,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from coral.allocation.plan import PlanInstance
 from coral.catalog.loader import Catalog, builtin_catalog
 from coral.catalog.schema import ModelArch
-from coral.openai_shapes import bearer_token, chunk, error_body, full, max_tokens_of, usage
+from coral.openai_shapes import bearer_allowed, chunk, error_body, full, max_tokens_of, usage
 from coral.perf.model import PerfModel, Phase, Workload
 from coral.perf.roofline import RooflineModel
 
@@ -161,13 +160,12 @@ def create_engine_app(
     """FastAPI app of one emulated instance; its `state.engine` is the `EngineState` (counters for tests).
     With `api_key`, `/v1/*` needs `Authorization: Bearer API_KEY` (vLLM's `--api-key`; `/health` stays open)."""
     app = FastAPI(title=f"coral emulated engine {instance_id}", docs_url=None, redoc_url=None, openapi_url=None)
-    expected = api_key.encode() if api_key else None
 
     def denied(request: Request) -> JSONResponse | None:
-        given = bearer_token(request.headers.get("authorization", "")).encode()
-        if expected is None or hmac.compare_digest(given, expected):
+        if bearer_allowed(request.headers.get("authorization", ""), api_key or None):
             return None
         return _error(401, "this engine needs the gateway's token", None, "authentication_error")
+
     st = EngineState(instance_id=instance_id, model=model, phase=phase)
     app.state.engine = st
     batcher = PrefillBatcher(timing.prefill_s, time_scale, st)

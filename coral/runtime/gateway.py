@@ -19,10 +19,18 @@ Retry-After; bodies over `max_body_bytes` get 413 however they are framed, bodie
 `body_timeout_s` 408. Requests are validated by pydantic models of OpenAI's request schema
 (`coral.openai_shapes`: 400 naming the field), prompts certainly longer than `max_prompt_tokens` are refused
 before routing, and every error has OpenAI's shape `{"error": {"message", "type", "param", "code"}}`. Metric
-labels are the plan's model and instance ids only (every other model name counts as `_unknown`). A request an
-instance took and did not answer within `request_timeout_s` gets 504 and is not retried elsewhere; that
-instance gets no requests for `eject_s` (outlier ejection). One request id (the client's `X-Request-Id` or a new
-one) goes to both the prefill and the decode instance, as vLLM's PD proxy does.
+labels are the plan's model and instance ids only (every other model name counts as `_unknown`). One request id
+(the client's `X-Request-Id` or a new one) goes to both the prefill and the decode instance, as vLLM's PD proxy
+does.
+
+Timeouts per phase, from the model's SLOs (`Budget`; `coral serve` sets k x the TTFT and TPOT SLOs): the
+prefill call must answer within the prefill budget; an answer's first byte must come within it too (streamed),
+each later chunk within the token budget, and the whole answer within the prefill budget plus max_tokens token
+budgets (a non-streamed answer, which comes at the end, within that whole bound). An instance that misses one
+gets 504 (an SSE error event once streaming started), the request is not retried elsewhere, and the instance
+is ejected (`Endpoint.eject`: no requests for `eject_s`, doubling while it keeps timing out, then one at a
+time until one completes). Requests piling up on a slow instance are bounded by the router (`registry`: no new
+request to an instance more than `Registry.max_excess` above its weighted share of the pool's in-flight ones).
 """
 
 from __future__ import annotations
@@ -40,7 +48,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequen
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import httpx
 from fastapi import APIRouter, FastAPI, Request
@@ -55,7 +63,7 @@ from starlette.types import Message, Receive, Scope, Send
 
 from coral.catalog.loader import CoralInputError
 from coral.openai_shapes import InvalidRequest, bearer_token, error_body, parse_request
-from coral.runtime.http1 import Http1Pool, UpstreamPool, UpstreamResponse, UpstreamTimeout
+from coral.runtime.aiohttp_pool import AiohttpPool, AiohttpResponse
 from coral.runtime.registry import Endpoint, InstanceState, Registry
 
 PREFILL_KV_PARAMS = {
@@ -139,6 +147,8 @@ class GatewayConfig:
     max_attempts: int = 3
     connect_timeout_s: float = 2.0
     request_timeout_s: float = 300.0
+    """For models without SLO timeouts (`prefill_timeout_s`, `token_timeout_s`): how long an instance may go
+    without sending a byte of its answer."""
     health_interval_s: float = 2.0
     health_timeout_s: float = 1.0
     unhealthy_after: int = 2
@@ -154,18 +164,19 @@ class GatewayConfig:
     """A request body not received in full within this gets 408 (slow clients cannot hold a slot)."""
     upstream_api_key: str | None = field(default=None, repr=False)
     """Sent as `Authorization: Bearer` to the engines (vLLM `--api-key`)."""
-    upstream_client: Literal["http1", "aiohttp"] = "http1"
-    """The client of upstream requests: the hand-written `http1` or aiohttp's (measured side by side in
-    `benchmarks/gateway.py`)."""
     prefill_timeout_s: dict[str, float] = field(default_factory=dict)
-    """Per model, how long a prefill instance may take to answer the prefill call (from the model's TTFT SLO,
-    `coral serve`); models not listed wait `request_timeout_s`."""
+    """Per model, how long an instance may take to answer the prefill call or send an answer's first byte (from
+    the model's TTFT SLO, `coral serve`); models not listed wait `request_timeout_s`."""
+    token_timeout_s: dict[str, float] = field(default_factory=dict)
+    """Per model, how long a streamed answer may go without a chunk after its first, and per max_tokens token
+    in the bound of the whole answer (from the model's TPOT SLO, `coral serve`); models not listed wait
+    `request_timeout_s` for each chunk and have no bound for the whole answer."""
     max_prompt_tokens: int = 131_072
     """Context length: prompts certainly longer (token ids, or text at `MAX_CHARS_PER_TOKEN`) get 400 before
     routing, so no instance is stalled by one."""
     eject_s: float = 30.0
-    """An instance that took a request and did not answer within `request_timeout_s` gets no requests for this
-    long (outlier ejection; the timed-out request is not sent to another instance)."""
+    """An instance on which a request timed out gets no requests for this long, doubling while it keeps timing
+    out (outlier ejection; the timed-out request is not sent to another instance)."""
     read_token_digests: frozenset[str] = field(default=frozenset(), repr=False)
     """Digests of read-only tokens: GET on `READ_PATHS` (dashboard, metrics, state) and nothing else."""
     admin_token_digests: frozenset[str] = field(default=frozenset(), repr=False)
@@ -195,6 +206,32 @@ class GatewayConfig:
         if digest in self.admin_token_digests:
             return read or path in ADMIN_PATHS
         return read and digest in self.read_token_digests
+
+
+@dataclass(frozen=True)
+class Budget:
+    """How long an instance may take over one upstream call: until the first byte of the answer, between later
+    chunks, and for the whole answer (seconds; `math.inf`: no bound)."""
+
+    first_s: float
+    gap_s: float
+    total_s: float = math.inf
+
+
+def answer_budget(config: GatewayConfig, model: str, body: dict[str, Any], prefill_only: bool) -> Budget:
+    """The `Budget` of a validated request `body` of `model`: the prefill call (`prefill_only`) within the
+    prefill timeout; an answer's first byte within it too when streamed, later chunks each within the token
+    timeout, the whole answer within the prefill timeout plus a token timeout per token of max_tokens (of the
+    context when unset); a non-streamed answer, which comes at the end, within that whole bound."""
+    ttft = config.prefill_timeout_s.get(model) or config.request_timeout_s
+    if prefill_only:
+        return Budget(ttft, ttft, ttft)
+    per_token = config.token_timeout_s.get(model)
+    if per_token is None:
+        return Budget(ttft if body.get("stream") else config.request_timeout_s, config.request_timeout_s)
+    n = body.get("max_completion_tokens") or body.get("max_tokens") or config.max_prompt_tokens
+    total = ttft + n * per_token
+    return Budget(ttft if body.get("stream") else total, per_token, total)
 
 
 class UpstreamError(Exception):
@@ -334,7 +371,7 @@ class Gateway:
         self.sem = asyncio.Semaphore(config.max_concurrency)
         self.waiting = 0
         self.active = 0
-        self.http: UpstreamPool | None = None
+        self.http: AiohttpPool | None = None
         self.probe_client: httpx.AsyncClient | None = None
         self.metrics = CollectorRegistry()
         self.requests = Counter(
@@ -354,6 +391,12 @@ class Gateway:
         )
         self.ttft = Histogram(
             "coral_gateway_ttft_seconds", "time to first byte of the answer", ["model"], registry=self.metrics
+        )
+        self.ejections = Counter(
+            "coral_gateway_ejections",
+            "instances ejected because a request timed out on them",
+            ["instance"],
+            registry=self.metrics,
         )
         self.pd_fallbacks = Counter(
             "coral_gateway_pd_fallback",
@@ -377,16 +420,9 @@ class Gateway:
 
     # --- lifecycle ----------------------------------------------------------------------------------
     async def open(self) -> None:
-        """Upstream requests go through a keep-alive pool (`http1`: a fraction of httpx's per-request cost, or
-        aiohttp's client, per `upstream_client`); health probes through httpx."""
-        c = self.config
-        if c.upstream_client == "aiohttp":
-            from coral.runtime.aiohttp_pool import AiohttpPool
-
-            self.http = AiohttpPool(c.connect_timeout_s, c.request_timeout_s, max_idle=c.max_concurrency)
-        else:
-            self.http = Http1Pool(c.connect_timeout_s, c.request_timeout_s, max_idle=c.max_concurrency)
-        self.probe_client = httpx.AsyncClient(timeout=c.health_timeout_s)
+        """Upstream requests go through aiohttp's keep-alive client; health probes through httpx."""
+        self.http = AiohttpPool(self.config.connect_timeout_s)
+        self.probe_client = httpx.AsyncClient(timeout=self.config.health_timeout_s)
 
     async def close(self) -> None:
         if self.http is not None:
@@ -395,7 +431,7 @@ class Gateway:
             await self.probe_client.aclose()
         self.http = self.probe_client = None
 
-    def pool(self) -> UpstreamPool:
+    def pool(self) -> AiohttpPool:
         if self.http is None:
             raise RuntimeError("gateway is not open (its app lifespan has not started)")
         return self.http
@@ -457,19 +493,26 @@ class Gateway:
         if isinstance(exc, OSError):
             ep.healthy = False  # passive health: the probe loop brings it back
 
-    def timeout_s(self, model: str, phase: str) -> float:
-        """How long an instance of (model, phase) may take between reads of its answer."""
-        t = self.config.prefill_timeout_s.get(model) if phase == "prefill" else None
-        return t or self.config.request_timeout_s
+    def eject(self, ep: Endpoint) -> None:
+        """A request timed out on `ep`: no requests for a while (`Endpoint.eject`)."""
+        ep.eject(self.config.eject_s)
+        self.ejections.labels(ep.id).inc()
 
     async def open_stream(
-        self, model: str, phase: str, path: str, body: bytes, rid: str, request_class: str | None = None
-    ) -> tuple[Endpoint, UpstreamResponse, AsyncIterator[bytes]]:
+        self,
+        model: str,
+        phase: str,
+        path: str,
+        body: bytes,
+        rid: str,
+        budget: Budget,
+        request_class: str | None = None,
+    ) -> tuple[Endpoint, AiohttpResponse, AsyncIterator[bytes]]:
         """Send `body` (JSON bytes, request id `rid`, length class `request_class`) to an instance of the pool
         and read its first chunk, retrying on other instances on failure before that chunk (not after a
-        timeout: see `timeout_s`). Returns the endpoint, the response and its whole body as chunks; the caller
-        owns the response and the endpoint's in-flight slot."""
-        timeout = self.timeout_s(model, phase)
+        timeout: the instance may still be working on it; it is ejected). Returns the endpoint, the response and
+        its whole body as chunks, each read within `budget` (TimeoutError past it); the caller owns the
+        response and the endpoint's in-flight slot."""
         tried: set[str] = set()
         last = "no routable instance"
         for _ in range(self.config.max_attempts):
@@ -477,24 +520,27 @@ class Gateway:
             if ep is None:
                 break
             tried.add(ep.id)
-            resp: UpstreamResponse | None = None
+            resp: AiohttpResponse | None = None
+            sent = asyncio.get_running_loop().time()
             try:
                 headers = {**self.upstream_headers, "X-Request-Id": rid}
-                resp = await self.pool().post(ep.url, path, body, headers, timeout)
-                if resp.status_code >= 500:
-                    last = f"{ep.id}: HTTP {resp.status_code}"
-                    await resp.aclose()
-                    self._fail(ep, None)
-                    continue
-                it = resp.aiter_raw()
-                first = await anext(it, None)
-                return ep, resp, _chain(first, it)
-            except UpstreamTimeout:  # the instance may still be working on it: not sent to another one
+                async with asyncio.timeout(min(budget.first_s, budget.total_s)):
+                    resp = await self.pool().post(ep.url, path, body, headers)
+                    if resp.status_code >= 500:
+                        last = f"{ep.id}: HTTP {resp.status_code}"
+                        await resp.aclose()
+                        self._fail(ep, None)
+                        continue
+                    it = resp.aiter_raw()
+                    first = await anext(it, None)
+                return ep, resp, _paced(first, it, budget.gap_s, sent + budget.total_s)
+            except TimeoutError:  # the instance may still be working on it: not sent to another one
                 if resp is not None:
                     await resp.aclose()
                 self._fail(ep, None)
-                ep.ejected_until = time.monotonic() + self.config.eject_s
-                raise UpstreamError(504, f"{model} {phase}: {ep.id} did not answer within {timeout:g} s") from None
+                self.eject(ep)
+                wait = min(budget.first_s, budget.total_s)
+                raise UpstreamError(504, f"{model} {phase}: {ep.id} did not answer within {wait:g} s") from None
             except OSError as exc:
                 cause = exc.__cause__
                 last = f"{ep.id}: {type(exc).__name__}" + (f" ({type(cause).__name__})" if cause else "")
@@ -510,15 +556,25 @@ class Gateway:
         raise UpstreamError(status, f"{model} {phase}: no instance answered ({last})")
 
     async def call(
-        self, model: str, phase: str, path: str, body: bytes, rid: str, request_class: str | None = None
+        self,
+        model: str,
+        phase: str,
+        path: str,
+        body: bytes,
+        rid: str,
+        budget: Budget,
+        request_class: str | None = None,
     ) -> tuple[int, bytes, Endpoint]:
         """Non-streaming call with retries; returns (status, body bytes, endpoint)."""
-        ep, resp, chunks = await self.open_stream(model, phase, path, body, rid, request_class)
+        ep, resp, chunks = await self.open_stream(model, phase, path, body, rid, budget, request_class)
         ok = False
         try:
             data = b"".join([c async for c in chunks])
             ok = resp.status_code < 500
             return resp.status_code, data, ep
+        except TimeoutError:
+            self.eject(ep)
+            raise UpstreamError(504, f"{model} {phase}: {ep.id} did not finish its answer in time") from None
         except OSError as exc:
             raise UpstreamError(502, f"{ep.id}: broken answer ({type(exc).__name__})") from exc
         finally:
@@ -556,6 +612,7 @@ class Gateway:
                     "inflight": e.inflight,
                     "served": e.served,
                     "failed": e.failed,
+                    "ejections": e.ejections,
                     "target_share": e.weight / weight if weight and e.routable else 0.0,
                     "observed_share": e.served / served if served else 0.0,
                 }
@@ -578,11 +635,19 @@ class Gateway:
         }
 
 
-async def _chain(first: bytes | None, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    if first is not None:
-        yield first
-    async for c in rest:
-        yield c
+async def _paced(first: bytes | None, rest: AsyncIterator[bytes], gap_s: float, deadline: float) -> AsyncIterator[bytes]:
+    """`first`, then the chunks of `rest`, each within `gap_s` of the previous one and all before `deadline`
+    (the event loop's clock); TimeoutError past either."""
+    if first is None:
+        return
+    yield first
+    loop = asyncio.get_running_loop()
+    while True:
+        async with asyncio.timeout_at(min(loop.time() + gap_s, deadline)):
+            chunk = await anext(rest, None)
+        if chunk is None:
+            return
+        yield chunk
 
 
 def _pct(sorted_vals: Sequence[float], q: float) -> float:
@@ -781,7 +846,8 @@ def create_gateway_app(
                     pre["max_completion_tokens"] = 1
                 try:
                     pre_body = json.dumps(pre).encode()
-                    status, answer, _ = await gw.call(model, "prefill", path, pre_body, rid, cls)
+                    pre_budget = answer_budget(gw.config, model, body, prefill_only=True)
+                    status, answer, _ = await gw.call(model, "prefill", path, pre_body, rid, pre_budget, cls)
                 except UpstreamError as exc:  # no prefill instance answered: the decode instance prefills locally
                     if exc.status == 504:  # ... unless one took the request and timed out: not sent elsewhere
                         raise
@@ -796,13 +862,14 @@ def create_gateway_app(
                     except (ValueError, AttributeError):
                         raise UpstreamError(502, "prefill answer is not a JSON object") from None
                     upstream = json.dumps({**body, "kv_transfer_params": kv}).encode()
+            budget = answer_budget(gw.config, model, body, prefill_only=False)
             if not body.get("stream"):
-                status, answer, ep = await gw.call(model, answer_phase, path, upstream, rid, cls)
+                status, answer, ep = await gw.call(model, answer_phase, path, upstream, rid, budget, cls)
                 gw.record(model, start, None, "ok" if status < 400 else "error")
                 return Response(
                     answer, status, media_type="application/json", headers={**ids, "x-coral-instance": ep.id}
                 )
-            ep, resp, chunks = await gw.open_stream(model, answer_phase, path, upstream, rid, cls)
+            ep, resp, chunks = await gw.open_stream(model, answer_phase, path, upstream, rid, budget, cls)
             first_at = time.perf_counter()
             outcome = {"ok": False, "done": False}
 
@@ -811,6 +878,10 @@ def create_gateway_app(
                     async for chunk in chunks:
                         yield chunk
                     outcome["ok"] = resp.status_code < 400
+                except TimeoutError:  # stalled mid-answer: cut, and the instance gets no requests for a while
+                    gw.eject(ep)
+                    whole = f", or not done within {budget.total_s:g} s" if math.isfinite(budget.total_s) else ""
+                    yield _sse_error(f"{ep.id} stalled mid-answer: no chunk within {budget.gap_s:g} s{whole}")
                 except OSError as exc:
                     yield _sse_error(f"{ep.id} failed mid-stream: {type(exc).__name__}")
 

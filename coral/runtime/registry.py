@@ -11,6 +11,10 @@ requests above its weighted share of the candidates' in-flight requests, the pic
 candidate with the lowest (in-flight + 1) / weight. The chosen instance pays the total weight from its credit,
 so an instance that was skipped keeps its credit and catches up once its backlog clears: each class's long-run
 shares follow its weights while a slow or stalled instance stops receiving work.
+
+Outlier ejection: an instance on which a request timed out (the gateway's phase budgets) is `eject`ed: no
+requests for `eject_s`, doubled on each consecutive ejection (at most `MAX_EJECT_DOUBLINGS` times). After that
+it is on probation: one request at a time until a request on it completes, which clears its record.
 """
 
 from __future__ import annotations
@@ -21,6 +25,9 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from coral.allocation.plan import PlanClass, class_of, class_weight
+
+MAX_EJECT_DOUBLINGS = 4
+"""An instance ejected again and again stays out at most 2^4 times `eject_s` at a time."""
 
 
 class InstanceState(StrEnum):
@@ -51,6 +58,8 @@ class Endpoint:
     health_failures: int = 0
     ejected_until: float = 0.0
     """`time.monotonic()` until which the gateway sends it nothing (a request timed out on it)."""
+    ejections: int = 0
+    """Consecutive ejections (reset when a request on it completes); while > 0, it takes one request at a time."""
 
     def weight_for(self, request_class: str | None) -> float:
         """Router weight for a request of `request_class` (None: no class)."""
@@ -59,6 +68,11 @@ class Endpoint:
     @property
     def routable(self) -> bool:
         return self.state is InstanceState.READY and self.healthy and time.monotonic() >= self.ejected_until
+
+    def eject(self, eject_s: float) -> None:
+        """No requests for `eject_s` x 2^(consecutive ejections - 1), then one at a time until one completes."""
+        self.ejections += 1
+        self.ejected_until = time.monotonic() + eject_s * 2 ** min(self.ejections - 1, MAX_EJECT_DOUBLINGS)
 
 
 @dataclass
@@ -124,6 +138,7 @@ class Registry:
                 e
                 for e in self.endpoints.values()
                 if e.model == model and e.phase == phase and e.routable and e.id not in exclude
+                and not (e.ejections and e.inflight)  # on probation: one request at a time
             ]
             cls = request_class
             if not any(e.weight_for(cls) > 0 for e in pool):
@@ -148,5 +163,6 @@ class Registry:
             ep.inflight -= 1
             if ok:
                 ep.served += 1
+                ep.ejections = 0
             else:
                 ep.failed += 1

@@ -36,6 +36,7 @@ def allocator_replanner(
     correction: LatencyCorrection | None = None,
     ahead_s: float = 0.0,
     hold: float = 0.0,
+    floor_tokens_s: float = 0.0,
     time_limit: float = 30.0,
     log: list[str] | None = None,
 ) -> Replanner:
@@ -50,7 +51,8 @@ def allocator_replanner(
     the previous epoch's latencies, stepping the factor of the capacity that served most of it: the last
     re-plan's, or with `ahead_s` over half an epoch the one before (the last one's was not ready yet). With `hold` > 0 a (model, phase) whose running capacity lies within
     [1, 1 + hold] × the capacity asked for asks for its running capacity instead, so that the allocator keeps
-    its instances rather than trade them for a slightly smaller set it would pay start-ups for. In "cost" mode,
+    its instances rather than trade them for a slightly smaller set it would pay start-ups for. Each (model,
+    phase) asks for at least `floor_tokens_s` (> 0 keeps an instance of every model, even idle). In "cost" mode,
     demand that cannot be met falls back to "goodput" mode (largest served fraction), as an operator would
     rather serve part of a spike than nothing; `log` collects one line per epoch."""
     if isinstance(headroom, Mapping):
@@ -86,7 +88,7 @@ def allocator_replanner(
                 for key, values in (((m, Phase.PREFILL), lat.ttft_s), ((m, Phase.DECODE), lat.tpot_s)):
                     correction.observe(key, values, in_force.get(key, 1.0))
         traffic = expected(observed)
-        demand = planned_capacity(traffic, room, correction)
+        demand = {k: max(v, floor_tokens_s) for k, v in planned_capacity(traffic, room, correction).items()}
         used.append({k: correction.factor(k) for k in demand} if correction is not None else {})
         held: list[DemandKey] = []
         if running is not None and hold > 0:
