@@ -4,6 +4,7 @@ meets the attainment target on the tuning requests, scored on held-out requests 
     python benchmarks/equal_attainment.py [--scenario core extended] [--target 0.9 0.99] [--method ...]
                                           [--setting default scarce imbalanced] [--budget 600]
     python benchmarks/equal_attainment.py --merge A.json B.json    # one table from runs made in parallel
+    python benchmarks/equal_attainment.py --previous --scenario core   # the previous default sizing, scored
 
 Each (scenario, target, method) runs `coral.planning.search_plan` with the method as the planner (same library,
 market, availability, traffic and search settings), then scores the chosen plan on the held-out request sets.
@@ -29,11 +30,14 @@ from rich.table import Table
 from coral.allocation import baselines
 from coral.allocation.allocator import allocate
 from coral.allocation.availability import resolve_availability
+from coral.allocation.demand import run_length_s
 from coral.allocation.plan import Plan
 from coral.catalog.loader import load_scenario
-from coral.catalog.schema import Scenario
+from coral.catalog.schema import Scenario, TargetUtilization
 from coral.planning import SearchSettings, allocator_planner, search_plan
+from coral.simulation.run import simulate
 from coral.templates.store import load_library
+from coral.workload.traces import workload_for
 
 METHODS: dict[str, Callable[..., Plan]] = {
     "coral": allocate,
@@ -49,6 +53,25 @@ def with_target(scenario: Scenario, target: float) -> Scenario:
 
 
 SCARCE_FACTOR = 1.25
+#: the sizing the previous releases shipped: mean demand ÷ a target utilisation per phase, traces compressed
+PREVIOUS = {"target_utilization": TargetUtilization(prefill=0.55, decode=0.8), "trace_scaling": "compress"}
+
+
+def previous_default(name: str, library_dir: Path, console: Console) -> dict[str, Any]:
+    """The previous default plan (mean ÷ 0.55 / 0.8, no simulator), scored like the searched ones: its
+    attainment over the held-out sets, with traces compressed (as then) and superposed (as now)."""
+    base = load_scenario(name)
+    old = base.model_copy(update=PREVIOUS)
+    lib = load_library(name, library_dir)
+    plan = allocate(lib, old, availability=resolve_availability(old, lib))
+    row: dict[str, Any] = {"scenario": name, "cost_per_hour": plan.cost_per_hour}
+    for label, sc in (("compressed", old), ("superposed", base)):
+        sets = [simulate(plan, sc, workload_for(sc, run_length_s(sc), seed), duration_s=run_length_s(sc), seed=seed)
+                for seed in SearchSettings().held_out_seeds]
+        row[label] = {m.model: sum(r.model(m.model).slo_attainment for r in sets) / len(sets) for m in sets[0].models}
+        console.print(f"{name} previous default ${plan.cost_per_hour:,.2f}/h, traces {label}: " + ", ".join(
+            f"{m} {a:.1%}" for m, a in row[label].items()))
+    return row
 
 
 def imbalanced(scenario: Scenario) -> Scenario:
@@ -91,11 +114,18 @@ def main() -> None:
     ap.add_argument("--library-dir", type=Path, default=Path("out"))
     ap.add_argument("--out", type=Path, default=Path("out/benchmarks"))
     ap.add_argument("--name", default="equal_attainment", help="JSON file name (without .json)")
+    ap.add_argument("--previous", action="store_true",
+                    help="no search: score the previous default sizing of each --scenario (writes previous.json)")
     ap.add_argument("--merge", nargs="+", type=Path, default=[],
                     help="no runs: merge the rows of these JSON files (runs made in parallel; a later file's row for the "
                          "same scenario, setting, target and method wins) into --name")
     args = ap.parse_args()
     console = Console(width=160)
+    if args.previous:
+        out = [previous_default(name, args.library_dir, console) for name in args.scenario]
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "previous.json").write_text(json.dumps({"rows": out}, indent=1))
+        return
     merged = {(r["scenario"], r["setting"], r["target"], r["method"]): r  # a later file's row replaces an earlier one
               for f in args.merge for r in json.loads(f.read_text())["rows"]}
     rows: list[dict[str, Any]] = list(merged.values())

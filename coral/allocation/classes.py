@@ -1,10 +1,8 @@
 """Request-length classes (Mélange's setting): one model's requests split by length, each class with its own
 throughput on every template, a template's capacity shared by the classes it serves.
 
-Classes. `off` (the scenario default: routed by class, class plans simulated on the real traces cost 2–2.6 %
-more for 1.2–1.4 points of SLO attainment, and the scarce extended solve takes 7.4 s; see benchmarks/classes.py)
-plans one class with the scenario's means. `auto`
-derives classes from the model's trace: when the prompt lengths spread widely (p90 / p10 ≥ SPREAD_THRESHOLD),
+Classes. `off` (the scenario default; whether classes pay is measured by benchmarks/classes.py) plans one class
+with the scenario's means. `auto` derives classes from the model's trace: when the prompt lengths spread widely (p90 / p10 ≥ SPREAD_THRESHOLD),
 the requests are cut into AUTO_CLASSES equal-count buckets of prompt length, each with its share of the
 requests, its mean prompt and output lengths and its longest prompt (rescaled so that the classes' mean lengths
 equal the scenario's `mean_input_tokens` / `mean_output_tokens`); otherwise, and for synthetic traces or `off`,

@@ -69,8 +69,13 @@ Evaluator = Callable[[Plan, int, float], Mapping[str, Attainment]]
 
 #: step down from a sufficient headroom while no insufficient one above the mean has been seen
 SHRINK = 0.85
-#: default search time per model of the scenario
-BUDGET_PER_MODEL_S = 40.0
+
+
+def default_budget_s(scenario: Scenario) -> float:
+    """Search time by default: 2 minutes for 3 models, growing with the square of the models (more keys to
+    settle, and every round simulates them all), at most 9 minutes: core 120 s, extended 480 s."""
+    return min(540.0, 120.0 * (len(scenario.models) / 3) ** 2)
+
 #: share of requests kept when measuring the ceiling (requests served alone, nothing queued)
 CEILING_SAMPLE = 0.02
 
@@ -83,7 +88,7 @@ class SearchSettings:
     tune_seeds: tuple[int, ...] = (TUNING_SEED, 10, 11)  # request sets tuned on: a model's worst one counts
     held_out_seeds: tuple[int, ...] = (1, 2)
     max_rounds: int = 14
-    time_budget_s: float | None = None  # default: BUDGET_PER_MODEL_S per model (core 120 s, extended 240 s)
+    time_budget_s: float | None = None  # default: `default_budget_s` (core 120 s, extended 480 s)
     tolerance: float = 1.06
     margin: float = 0.1  # a model passes a tuning round with at most (1 - margin) x its allowed misses
 
@@ -215,7 +220,7 @@ def search_plan(
     def proposal() -> dict[DemandKey, float]:
         return {k: b.h for k, b in brackets.items()}
 
-    budget = cfg.time_budget_s if cfg.time_budget_s is not None else BUDGET_PER_MODEL_S * len(scenario.models)
+    budget = cfg.time_budget_s if cfg.time_budget_s is not None else default_budget_s(scenario)
     while len(rounds) < cfg.max_rounds and (time.perf_counter() - t0 < budget or not rounds):
         t_round = time.perf_counter()
         h = proposal()
