@@ -50,6 +50,7 @@ def run_cmd(
     from coral.allocation import baselines as base
     from coral.allocation.allocator import allocate
     from coral.allocation.availability import resolve_availability
+    from coral.allocation.demand import run_length_s
     from coral.allocation.forecast import DemandForecaster, LatencyCorrection
     from coral.planning import SearchSettings, allocator_planner, search_plan
     from coral.planning.slo_search import score, simulator_evaluator, with_traffic
@@ -75,6 +76,9 @@ def run_cmd(
     console.print(f"library: {len(lib):,} templates for {len(lib.keys())} (model, phase) pairs")
     avail = resolve_availability(sc, lib, cat)
     settings = SearchSettings(duration_s=duration, time_budget_s=budget)
+    # one evaluator for every method: each seed's requests are made once, and a plan two searches share is
+    # simulated once
+    evaluate = simulator_evaluator(sc, settings.duration_s or run_length_s(sc), cat)
     methods = {"coral": allocate, "homo-greedy": base.homo_greedy, "cauchy-paper": base.cauchy_paper}
     if baselines == "none":
         methods = {"coral": methods["coral"]}
@@ -89,7 +93,7 @@ def run_cmd(
                 console.print(f"  {name} {line}")
 
             result = search_plan(allocator_planner(lib, sc, avail, cat, method=method), sc, settings,
-                                 catalog=cat, progress=show)
+                                 catalog=cat, evaluate=evaluate, progress=show)
         if result.plan is None:
             raise CoralInputError(f"{name}: no plan in any round of the search: "
                                   + "; ".join(r.note for r in result.rounds if r.note))
@@ -108,7 +112,7 @@ def run_cmd(
         for name in ("homo-greedy", "cauchy-paper"):
             p = with_traffic(methods[name](lib, sc, demand=demand, availability=avail, catalog=cat), traffic)
             p.slo = score(p, sc, settings, duration_s, {}, room,
-                          evaluate=simulator_evaluator(sc, duration_s, cat))
+                          evaluate=evaluate)
             plans[name] = p
     others = [p for name, p in plans.items() if name != "coral"]
     print_plan(plan, console)
