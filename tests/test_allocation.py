@@ -658,3 +658,61 @@ def test_final_mip_on_few_columns_keeps_a_true_bound(seed: int, monkeypatch: pyt
     check_plan(few, av)
     assert few.solve.bound is not None and few.solve.bound <= exact.cost_per_hour + 1e-6
     assert few.cost_per_hour >= exact.cost_per_hour - 1e-6
+
+
+def test_water_fill_serves_every_key_where_greedy_starves_one() -> None:
+    """Hand-solved: one region with 4 × 1xL40S; key a's instance (1 node) serves 100 tok/s, key b's (1 node)
+    50 tok/s; demand a = 400, b = 100. The greedy plan (largest demand first) gives a all four nodes and b none;
+    water-filling gives the least served key the next node: a (0 → 25 %), b (0 → 50 %), a (→ 50 %), then a on
+    the tie (→ 75 %): a at 75 %, b at 50 %, the max-min optimum t = 0.5."""
+    from coral.allocation import core
+    from coral.allocation.allocator import _context
+
+    lib = TemplateLibrary.from_templates(CONFIGS, [template("a", Phase.DECODE, {"1xL40S": 1}, 100.0),
+                                                   template("b", Phase.DECODE, {"1xL40S": 1}, 50.0)], {})
+    sc = scenario(["a", "b"])
+    av = {REGIONS[0]: {**dict.fromkeys(CONFIGS, 0), "1xL40S": 4}, REGIONS[1]: dict.fromkeys(CONFIGS, 0)}
+    ctx = _context(lib, sc, {("a", Phase.DECODE): 400.0, ("b", Phase.DECODE): 100.0}, av, None, None, True)
+    served = {}
+    for name, x in (("greedy", core.greedy(ctx.cols, ctx.market, ctx.demand, partial=True)),
+                    ("water", core.water_fill(ctx.cols, ctx.market, ctx.demand))):
+        assert x is not None
+        cap = np.bincount(ctx.cols.key, ctx.cols.throughput * x, minlength=2)
+        served[name] = {ctx.keys[k][0]: float(cap[k] / ctx.demand[k]) for k in range(2)}
+    assert served["greedy"] == {"a": 1.0, "b": 0.0}
+    assert served["water"] == {"a": 0.75, "b": 0.5}
+    plan = allocate(lib, sc, demand={("a", Phase.DECODE): 400.0, ("b", Phase.DECODE): 100.0}, availability=av,
+                    mode="maxmin")
+    assert min(s.served_fraction for s in plan.serving) == pytest.approx(0.5)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10_000), factor=st.sampled_from([0.3, 0.6, 1.0]))
+def test_water_fill_from_an_lp_point_is_feasible(seed: int, factor: float) -> None:
+    """The max-min rounder's point (an LP optimum rounded down, then water-filled) respects every availability
+    row and serves at least what the rounded-down point served."""
+    from coral.allocation import core
+    from coral.allocation.allocator import _context
+
+    models = ["a", "b", "c"]
+    lib = random_library(seed, models, n=6)
+    sc = scenario(models, rates=[3.0, 2.0, 4.0])
+    ctx = _context(lib, sc, None, UNLIMITED, None, None, True)
+    x_free = core.greedy(ctx.cols, ctx.market, ctx.demand)
+    assert x_free is not None
+    used = np.zeros_like(ctx.market.avail)
+    np.add.at(used, ctx.cols.region, ctx.cols.counts * x_free[:, None])
+    av = {r: {c: int(np.floor(factor * used.sum(axis=0)[i] / len(REGIONS))) for i, c in enumerate(ctx.market.configs)}
+          for r in REGIONS}
+    ctx = _context(lib, sc, None, av, None, None, True)
+    lp = np.random.default_rng(seed).uniform(0, 1.5, len(ctx.cols))  # any point; its floor must fit to be a base
+    base = np.floor(lp)
+    fill = np.zeros_like(ctx.market.avail)
+    for j in np.argsort(-lp):
+        while base[j] > 0 and (fill[ctx.cols.region[j]] + base[j] * ctx.cols.counts[j] > ctx.market.avail[ctx.cols.region[j]]).any():
+            base[j] -= 1
+        fill[ctx.cols.region[j]] += base[j] * ctx.cols.counts[j]
+    x = core.water_fill(ctx.cols, ctx.market, ctx.demand, base=base)
+    used = np.zeros_like(ctx.market.avail)
+    np.add.at(used, ctx.cols.region, ctx.cols.counts * x[:, None])
+    assert (used <= ctx.market.avail + 1e-9).all() and (x >= base).all()

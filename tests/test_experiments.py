@@ -9,11 +9,10 @@ import pytest
 from typer.testing import CliRunner
 
 from coral.allocation.allocator import allocate
-from coral.allocation.demand import scenario_demand
 from coral.allocation.plan import Plan
 from coral.catalog.loader import CoralInputError, load_scenario
 from coral.cli.main import app
-from coral.experiments.allocation import _churn, _imbalanced_demand, run_experiment
+from coral.experiments.allocation import _churn, imbalanced_rates, paper_imbalanced_rates, run_experiment
 from coral.templates.store import load_library
 
 
@@ -78,13 +77,12 @@ def test_waterfall_on_core_ends_at_the_default_scenario(out: Path) -> None:
     assert (out / "experiments" / "waterfall-core.png").stat().st_size > 0
 
 
-def test_imbalanced_demand_shifts_toward_large_models() -> None:
+def test_imbalanced_rates_shift_toward_large_models() -> None:
     sc = load_scenario("core")
-    base = scenario_demand(sc)
-    heavy = _imbalanced_demand(sc, large_heavy=True)
-    light = _imbalanced_demand(sc, large_heavy=False)
-    for key, v in base.items():
-        assert {heavy[key] / v, light[key] / v} == {2.0, 0.5}
+    heavy = imbalanced_rates(sc, large_heavy=True)
+    light = imbalanced_rates(sc, large_heavy=False)
+    for sm in sc.models:
+        assert {heavy[sm.model] / sm.request_rate, light[sm.model] / sm.request_rate} == {2.0, 0.5}
 
 
 def test_scarce_core_plans_in_every_mode_and_cost_mode_fits_its_own_cluster(out: Path) -> None:
@@ -106,18 +104,13 @@ def test_scarce_core_plans_in_every_mode_and_cost_mode_fits_its_own_cluster(out:
     assert allocate(lib, sc, availability=cluster, gap=1e-9).cost_per_hour == pytest.approx(free.cost_per_hour)
 
 
-def test_paper_imbalanced_demand_puts_80_percent_on_a_third_of_the_models() -> None:
+def test_paper_imbalanced_rates_put_80_percent_on_a_third_of_the_models() -> None:
     """§6.5: the scenario's total request rate, 80 % on the largest (smallest) third — qwen3-32b (phi-4) in core."""
-    from coral.allocation.demand import phase_demand
-    from coral.experiments.allocation import _paper_imbalanced_demand
-
     sc = load_scenario("core")
     total = sum(sm.request_rate for sm in sc.models)
     for heavy, model in ((True, "qwen3-32b"), (False, "phi-4")):
-        dem = _paper_imbalanced_demand(sc, heavy)
-        for sm in sc.models:
-            rate = total * (0.8 if sm.model == model else 0.1)
-            assert {p: dem[(sm.model, p)] for p in phase_demand(sm)} == pytest.approx(phase_demand(sm, rate))
+        rates = paper_imbalanced_rates(sc, heavy)
+        assert rates == pytest.approx({sm.model: total * (0.8 if sm.model == model else 0.1) for sm in sc.models})
 
 
 def test_offerings_file_replaces_the_market_from_the_cli_and_the_scenario(out: Path, tmp_path: Path) -> None:
@@ -149,3 +142,32 @@ def test_offerings_file_replaces_the_market_from_the_cli_and_the_scenario(out: P
     dear.write_text(yaml.safe_dump(shipped))
     bad = runner.invoke(app, ["allocate", "core", "--out", str(out), "--offerings", str(dear)])
     assert bad.exit_code == 2 and "offerings.0.gpu" in bad.output and "Z9" in bad.output
+
+
+def test_experiment_rows_carry_simulated_slo_goodput(out: Path, tmp_path: Path) -> None:
+    """The paper's goodput beside the planned share: every method's plan simulated on the held-out workload;
+    Coral's goodput_x is 1 and a goodput never exceeds the tokens/s offered. A market file (`--offerings`) is
+    what the plans are priced in: every price doubled doubles every method's $/h."""
+    import yaml
+
+    from coral.catalog.loader import data_path
+    from coral.experiments.allocation import Inputs, Judge, _availability, _compare
+
+    inputs = Inputs(out)
+    sc, cat, lib = inputs("core")
+    rows = _compare("core x1.25", lib, sc, _availability(sc, lib, 1.25, cat), 30.0, cat, Judge())
+    by = {r["method"]: r for r in rows}
+    assert by["coral"]["goodput_x"] == 1.0
+    for r in rows:
+        assert r["sim_goodput"] > 0 and 0 < r["goodput_share"] <= 1 and 0 <= r["least_attainment"] <= r["attainment"]
+        assert r["goodput_x"] == pytest.approx(by["coral"]["sim_goodput"] / r["sim_goodput"], rel=1e-3)
+
+    shipped = yaml.safe_load(data_path("offerings.yaml").read_text())
+    for o in shipped["offerings"]:
+        o["price_per_hour"] *= 2
+    market = tmp_path / "double.yaml"
+    market.write_text(yaml.safe_dump(shipped))
+    sc2, cat2, lib2 = Inputs(out, market)("core")
+    doubled = _compare("core x1.25", lib2, sc2, _availability(sc2, lib2, 1.25, cat2), 30.0, cat2, None)
+    assert {r["method"]: r["cost_per_hour"] for r in doubled} == pytest.approx(
+        {m: 2 * r["cost_per_hour"] for m, r in by.items()}, rel=1e-6)

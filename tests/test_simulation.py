@@ -650,3 +650,54 @@ def test_long_contexts_decode_slower() -> None:
     short = simulate(PLAN_PHI, SC, one_model(fixed(3, 30.0, 300, 100)), duration_s=90).model("phi-4")
     long = simulate(PLAN_PHI, SC, one_model(fixed(3, 30.0, 12_000, 100)), duration_s=90).model("phi-4")
     assert long.tpot_ms.p50 > short.tpot_ms.p50 * 1.05
+
+
+def test_replanner_follows_a_price_change_and_an_availability_drop() -> None:
+    """The market moves mid-run (an availability schedule with prices): the real allocator's re-plans follow it.
+    Epoch 0 plans in the cheaper region; from 60 s every price there is ×5, so epoch 1 moves to the other
+    region; from 120 s that region has no nodes left, so epoch 2 moves back and pays the raised prices."""
+    from coral.simulation import AvailabilitySchedule
+    from coral.simulation.replan import allocator_replanner
+    from coral.simulation.run import scenario_forecast
+    from coral.templates.build import build_library
+
+    sc = SC.model_copy(update={"models": [SM["phi-4"]]})
+    library = build_library(sc, workers=1)
+    first = allocator_replanner(library, sc)(0, ObservedDemand(0, 0.0, 0.0, scenario_forecast(sc)), None)
+    home = {i.region for i in first.instances}
+    assert len(home) == 1
+    cheap = home.pop()
+    other = next(r for r in sc.regions if r != cheap)
+    offered = {r: CAT.prices(r) for r in sc.regions}
+    plenty = {r: {c: 50 for c in sc.configs if c in offered[r]} for r in sc.regions}
+    sched = AvailabilitySchedule.model_validate({"steps": [
+        {"at_s": 0, "counts": plenty},
+        {"at_s": 60, "prices": {cheap: {c: p * 5 for c, p in offered[cheap].items() if c in sc.configs}}},
+        {"at_s": 120, "counts": {other: dict.fromkeys(plenty[other], 0)}},
+    ]})
+    plans: list[Plan] = []
+    inner = allocator_replanner(library, sc)
+
+    def replan(epoch: int, demand: ObservedDemand, running: Plan | None) -> Plan:
+        plans.append(inner(epoch, demand, running))
+        return plans[-1]
+
+    res = simulate(replan, sc, {"phi-4": fixed(180, 1.0, 1155, 211)}, duration_s=180, epoch_s=60.0,
+                   startup_delay_s=10.0, availability=sched, drain_limit_s=3600.0)
+    assert [{i.region for i in p.instances} for p in plans] == [{cheap}, {other}, {cheap}]
+    at_old_prices = sum(n * offered[cheap][c] for i in plans[2].instances for c, n in i.counts.items())
+    assert plans[2].cost_per_hour == pytest.approx(5 * at_old_prices)
+    # the plans fit; only the handover keeps the old instances of the drained region serving until their
+    # replacements are ready (make before break), which the epoch reports
+    over = [e.over_availability for e in res.epochs]
+    assert over[:2] == [[], []] and over[2] and all(o.startswith(f"{other}:") for o in over[2])
+
+
+def test_catalog_with_prices_replaces_only_the_pairs_named() -> None:
+    region = REGION
+    cfg = next(iter(PRICES))
+    moved = CAT.with_prices({region: {cfg: 123.0}})
+    assert moved.prices(region)[cfg] == 123.0
+    assert {c: p for c, p in moved.prices(region).items() if c != cfg} == {c: p for c, p in PRICES.items() if c != cfg}
+    with pytest.raises(CoralInputError, match=r"prices\.aws-us-east-2\.9xNOPE"):
+        CAT.with_prices({region: {"9xNOPE": 1.0}})

@@ -23,6 +23,7 @@ from coral.templates.library import TemplateLibrary
 Mode = Literal["cost", "goodput", "maxmin", "scaled"]
 MODES = ("cost", "goodput", "maxmin", "scaled")
 UNLIMITED = "unlimited"
+RESERVE = 0.06  # share of the time limit kept for building the plan and HiGHS's overrun of its own limits
 FAIRNESS = 0.5  # goodput mode: every model keeps at least this share of the uniform max-min fraction
 
 
@@ -123,28 +124,34 @@ def _stage(ctx: _Context, out: solver.Outcome, layout: core.Layout) -> _Stage:
     return _Stage(out, layout, served)
 
 
+def _with_served(ctx: _Context, v: np.ndarray, layout: core.Layout, weights: np.ndarray) -> np.ndarray:
+    """`v` with the max-min t and goodput's served fractions set from the capacity of its instances."""
+    served = _stage(ctx, solver.Outcome("", v, None, None, None, 0.0, 0, 0), layout).served
+    for k, col in layout.served_col.items():
+        v[col] = served[k]
+    if layout.t_col is not None:
+        pos = ctx.demand > 0
+        v[layout.t_col] = float(min(1.0, (served[pos] / weights[pos]).min(initial=1.0)))
+    return v
+
+
 def _start(ctx: _Context, problem: solver.Problem, layout: core.Layout, targets: np.ndarray | None,
            prev: _Stage | None, weights: np.ndarray) -> np.ndarray | None:
     """The best feasible start of `problem` (least objective) among the greedy plan meeting `targets` (when
-    given), the greedy plan serving what it can of all demand (for the served objectives) and the previous
-    stage's solution; None when none is feasible. The max-min t and goodput's served fractions are set from the
-    start's capacity."""
+    given), the water-filling plan of all weighted demand (for the served objectives), the greedy plan serving
+    what it can, largest demand first (goodput) and the previous stage's solution; None when none is feasible
+    (`_with_served` sets the served variables)."""
     starts: list[np.ndarray] = []
     greedy = [] if targets is None else [core.greedy(ctx.cols, ctx.market, targets)]
     if layout.t_col is not None or layout.served_col:
+        greedy.append(core.water_fill(ctx.cols, ctx.market, ctx.demand * weights))
+    if layout.served_col:
         greedy.append(core.greedy(ctx.cols, ctx.market, ctx.demand * weights, partial=True))
     starts += [core.full_start(x0, problem, layout, ctx.cols, ctx.penalty_k) for x0 in greedy if x0 is not None]
     if prev is not None and prev.out.x is not None:
         starts.append(core.full_start(np.round(prev.out.x[:prev.layout.n_x]), problem, layout, ctx.cols,
                                       ctx.penalty_k, prev.shares()))
-    for v in starts:
-        served = _stage(ctx, solver.Outcome("", v, None, None, None, 0.0, 0, 0), layout).served
-        for k, col in layout.served_col.items():
-            v[col] = served[k]
-        if layout.t_col is not None:
-            pos = ctx.demand > 0
-            v[layout.t_col] = float(min(1.0, (served[pos] / weights[pos]).min(initial=1.0)))
-    feasible = [v for v in starts if problem.violation(v) <= 1e-9]
+    feasible = [v for v in (_with_served(ctx, v, layout, weights) for v in starts) if problem.violation(v) <= 1e-9]
     return min(feasible, key=lambda v: float(problem.cost @ v)) if feasible else None
 
 
@@ -160,24 +167,19 @@ def _solve_cost(ctx: _Context, fraction: float | np.ndarray, weights: np.ndarray
 
 def _solve_served(ctx: _Context, objective: Literal["maxmin", "goodput"], weights: np.ndarray,
                   floor: np.ndarray | None, time_limit: float, gap: float, prev: _Stage | None = None) -> _Stage:
-    """Max-min served fraction, or max weighted tokens/s served with per-key floors; warm-started from `prev`,
-    else from the greedy plan of the largest uniform share it reaches (`_greedy_share`)."""
+    """Max-min served fraction, or max weighted tokens/s served with per-key floors; warm-started from `prev`
+    or the water-filling plan (`core.water_fill`), whichever is better, and from the LP optimum rounded down
+    and water-filled (the solver's rounder)."""
     problem, layout = core.assemble(ctx.cols, ctx.market, ctx.demand, penalty_k=None, objective=objective,
                                     weights=weights, min_fraction=floor)
-    targets = None if prev is not None else ctx.demand * weights * _greedy_share(ctx, weights)
-    start = _start(ctx, problem, layout, targets, prev, weights)
-    return _stage(ctx, solver.solve(problem, time_limit=time_limit, gap=gap, start=start, reduce=ctx.reduce), layout)
+    start = _start(ctx, problem, layout, None, prev, weights)
 
+    def rounder(lp_x: np.ndarray) -> np.ndarray | None:
+        x = core.water_fill(ctx.cols, ctx.market, ctx.demand * weights, base=lp_x[:layout.n_x])
+        return _with_served(ctx, core.full_start(x, problem, layout, ctx.cols, ctx.penalty_k), layout, weights)
 
-def _greedy_share(ctx: _Context, weights: np.ndarray, steps: int = 6) -> float:
-    """The largest uniform share s (bisection, `steps` halvings) for which the greedy plan meets s·w·D."""
-    lo, hi = 0.0, 1.0
-    if core.greedy(ctx.cols, ctx.market, ctx.demand * weights) is not None:
-        return 1.0
-    for _ in range(steps):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if core.greedy(ctx.cols, ctx.market, ctx.demand * weights * mid) is not None else (lo, mid)
-    return lo
+    return _stage(ctx, solver.solve(problem, time_limit=time_limit, gap=gap, start=start, reduce=ctx.reduce,
+                                    rounder=rounder), layout)
 
 
 def _class_served(ctx: _Context, layout: core.Layout, x: np.ndarray) -> np.ndarray | None:
@@ -298,16 +300,16 @@ def allocate(
     (the paper's protocol) and minimises cost there. With `running` (a previous plan or {(template id, region):
     count}), starting an instance costs K·price extra (K = scenario.init_penalty_k).
 
-    `time_limit` holds for the whole call (stages share what is left). A stage that runs out of time keeps its
-    incumbent; when a later stage finds nothing, the plan of the stage before it is returned (noted in the
-    report). Only the cost mode raises, when no plan meets the demand; "maxmin" and "scaled" raise when t = 0."""
+    `time_limit` holds for the whole call (stages share what is left; `RESERVE` of it is kept for building the
+    plan). A stage that runs out of time keeps its incumbent; when a later stage finds nothing, the plan of the
+    stage before it is returned (noted in the report). Only the cost mode raises, when no plan meets the demand; "maxmin" and "scaled" raise when t = 0."""
     if mode not in MODES:
         raise CoralInputError(f"mode: must be one of {', '.join(MODES)}, not {mode!r}")
     if not 0 < scale_step <= 1:
         raise CoralInputError("scale_step: must be in (0, 1]")
     if not 0 <= fairness <= 1:
         raise CoralInputError("fairness: must be in [0, 1]")
-    deadline = time.perf_counter() + time_limit
+    deadline = time.perf_counter() + time_limit * (1 - RESERVE)
     ctx = _context(library, scenario, demand, availability, catalog, running, reduce)
 
     def left(stages: int) -> float:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -423,11 +424,8 @@ def _rounding_cuts(cols: Columns, keys: list[int], target: np.ndarray, er: list[
             upper.append(np.inf)
 
 
-def greedy(cols: Columns, market: Market, target: np.ndarray, order: list[int] | None = None,
-           partial: bool = False) -> np.ndarray | None:
-    """A feasible instance vector meeting `target` per key, or None: keep what runs (while it fits), then, key by
-    key (largest demand first unless `order`), add the instance with the least $ per useful token/s
-    (cost / min(throughput, residual)) until demand is met. `partial` keeps going when a key cannot be met."""
+def _running_kept(cols: Columns, market: Market) -> tuple[np.ndarray, np.ndarray]:
+    """The running instances that fit the availability (instance vector, nodes used per region and config)."""
     x = np.zeros(len(cols))
     used = np.zeros_like(market.avail)
     for j in np.flatnonzero(cols.running > 0):
@@ -435,32 +433,91 @@ def greedy(cols: Columns, market: Market, target: np.ndarray, order: list[int] |
             if (used[cols.region[j]] + cols.counts[j] <= market.avail[cols.region[j]]).all():
                 x[j] += 1
                 used[cols.region[j]] += cols.counts[j]
+    return x, used
+
+
+def _short_list(cols: Columns, market: Market) -> np.ndarray:
+    """Columns the greedy plans look at first: the GREEDY_PER_GROUP most tokens/s per $ of each (key, region),
+    and every running column."""
     group = cols.key * len(market.regions) + cols.region
     by_eff = np.lexsort((-cols.throughput / np.maximum(cols.cost, 1e-12), group))
     g = group[by_eff]
     rank = np.arange(len(g)) - np.searchsorted(g, g)
     short = np.zeros(len(cols), dtype=bool)
     short[by_eff[rank < GREEDY_PER_GROUP]] = True
-    short |= cols.running > 0
-    for k in (np.argsort(-target) if order is None else order):
+    return short | (cols.running > 0)
+
+
+def _cheapest_fit(cols: Columns, market: Market, idx: np.ndarray, x: np.ndarray, used: np.ndarray,
+                  residual: float) -> int | None:
+    """Among columns `idx`, the instance with the least $ per useful token/s (cost / min(throughput, residual))
+    that fits the availability left; None when none fits."""
+    fits = (used[cols.region[idx]] + cols.counts[idx] <= market.avail[cols.region[idx]]).all(axis=1)
+    fits &= x[idx] < cols.upper[idx]
+    if not fits.any():
+        return None
+    with np.errstate(divide="ignore"):
+        score = np.where(fits, cols.cost[idx] / np.minimum(cols.throughput[idx], residual), np.inf)
+    return int(idx[int(np.argmin(score))])
+
+
+def _add(cols: Columns, market: Market, k: int, short: np.ndarray, x: np.ndarray, used: np.ndarray,
+         residual: float) -> int | None:
+    """Add key `k`'s cheapest fitting instance (`_cheapest_fit`, short list first, then all its columns) to `x`
+    and `used`; the column added, or None when none fits."""
+    mine = cols.key == k
+    j = _cheapest_fit(cols, market, np.flatnonzero(mine & short), x, used, residual)
+    if j is None:
+        j = _cheapest_fit(cols, market, np.flatnonzero(mine & ~short), x, used, residual)
+    if j is not None:
+        x[j] += 1
+        used[cols.region[j]] += cols.counts[j]
+    return j
+
+
+def greedy(cols: Columns, market: Market, target: np.ndarray, partial: bool = False) -> np.ndarray | None:
+    """A feasible instance vector meeting `target` per key, or None: keep what runs (while it fits), then, key by
+    key (largest demand first), add the instance with the least $ per useful token/s (cost / min(throughput,
+    residual)) until demand is met. `partial` keeps going when a key cannot be met (most tokens/s served, the
+    goodput start)."""
+    x, used = _running_kept(cols, market)
+    short = _short_list(cols, market)
+    for k in np.argsort(-target):
         residual = target[k] - float(cols.throughput[cols.key == k] @ x[cols.key == k])
-        idx = np.flatnonzero((cols.key == k) & short)
         while residual > 1e-9 * max(1.0, target[k]):
-            fits = (used[cols.region[idx]] + cols.counts[idx] <= market.avail[cols.region[idx]]).all(axis=1)
-            fits &= x[idx] < cols.upper[idx]
-            if not fits.any() and len(idx) < int((cols.key == k).sum()):  # the short list is used up: all columns
-                idx = np.flatnonzero(cols.key == k)
-                continue
-            if not fits.any():
+            j = _add(cols, market, int(k), short, x, used, residual)
+            if j is None:
                 if partial:
                     break
                 return None
-            with np.errstate(divide="ignore"):
-                score = np.where(fits, cols.cost[idx] / np.minimum(cols.throughput[idx], residual), np.inf)
-            j = idx[int(np.argmin(score))]
-            x[j] += 1
-            used[cols.region[j]] += cols.counts[j]
             residual -= cols.throughput[j]
+    return x
+
+
+def water_fill(cols: Columns, market: Market, target: np.ndarray, base: np.ndarray | None = None) -> np.ndarray:
+    """A feasible instance vector that serves every key a large share of `target` (the max-min start): from
+    `base` (instance counts that fit the availability, e.g. an LP optimum rounded down; default: what runs,
+    while it fits), repeatedly give the key with the least served share of its target its cheapest useful
+    instance that fits; a key none of whose instances fits any more drops out. Unlike `greedy`, no key takes
+    the scarce nodes before the others have any."""
+    if base is None:
+        x, used = _running_kept(cols, market)
+    else:
+        x = np.minimum(np.floor(base + 1e-9), cols.upper)
+        used = np.zeros_like(market.avail)
+        np.add.at(used, cols.region, cols.counts * x[:, None])
+    short = _short_list(cols, market)
+    got = np.bincount(cols.key, cols.throughput * x, minlength=len(target)).astype(float)
+    heap = [(got[k] / target[k], int(k)) for k in np.flatnonzero(target > 0)]
+    heapq.heapify(heap)
+    while heap:
+        share, k = heapq.heappop(heap)
+        if share >= 1 - 1e-9:
+            break
+        j = _add(cols, market, k, short, x, used, target[k] - got[k])
+        if j is not None:
+            got[k] += cols.throughput[j]
+            heapq.heappush(heap, (got[k] / target[k], k))
     return x
 
 

@@ -28,6 +28,7 @@ as the incumbent, and dropping it keeps the optimum. y comes from the LP relaxat
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -99,6 +100,8 @@ class Outcome:
     lp_bound: float | None = None
     row_dual: np.ndarray | None = None
 
+
+Rounder = Callable[[np.ndarray], np.ndarray | None]  # LP point -> feasible point (or None)
 
 SEED_PER_GROUP = 8
 PRICE_BATCH = 400
@@ -331,10 +334,12 @@ def solve(
     gap: float = 1e-4,
     start: np.ndarray | None = None,
     reduce: bool = True,
+    rounder: Rounder | None = None,
 ) -> Outcome:
-    """Solve `p` to `gap` within `time_limit` (best incumbent on timeout). `start` is a feasible warm start.
-    With `reduce`, independent blocks (no shared row, e.g. models that share no scarce config) are solved
-    separately, each with the reductions of `solve_block`."""
+    """Solve `p` to `gap` within `time_limit` (best incumbent on timeout). `start` is a feasible warm start;
+    `rounder` a problem-specific heuristic turning an LP point into a feasible point (tried when `p` is solved
+    as one block). With `reduce`, independent blocks (no shared row, e.g. models that share no scarce config)
+    are solved separately, each with the reductions of `solve_block`."""
     if not reduce:
         return solve_block(p, time_limit=time_limit, gap=gap, start=start, reduce=False)
     t0 = time.perf_counter()
@@ -343,7 +348,7 @@ def solve(
     rowless = [b for b in blocks if not np.isin(b, p.entry_col).any()]
     blocks = [b for b in blocks if np.isin(b, p.entry_col).any()]
     if len(blocks) <= 1 and not rowless:
-        return solve_block(p, time_limit=time_limit, gap=gap, start=start)
+        return solve_block(p, time_limit=time_limit, gap=gap, start=start, rounder=rounder)
     x = np.zeros(p.n)
     y = np.zeros(len(p.row_lower))
     objective, bound, lp_bound, statuses, n_cols, n_rows = 0.0, 0.0, 0.0, [], 0, 0
@@ -468,10 +473,12 @@ def solve_block(
     reduce: bool = True,
     separate: bool = True,
     abs_gap: float | None = None,
+    rounder: Rounder | None = None,
 ) -> Outcome:
     """Solve one block: the separate optima of its parts (the answer when they fit together, a bound otherwise),
-    LP by column generation, incumbent on a restricted set, reduced-cost fixing, MIP. The MIPs stop at relative
-    gap `gap` or absolute gap `abs_gap` (when given), whichever comes first."""
+    LP by column generation, incumbent on a restricted set (the better of `start`, the `rounder`'s point from
+    the LP optimum and the repaired LP point), reduced-cost fixing, MIP. The MIPs stop at relative gap `gap` or
+    absolute gap `abs_gap` (when given), whichever comes first."""
     t0 = time.perf_counter()
     notes: list[str] = []
     separate_bound = -np.inf
@@ -531,6 +538,10 @@ def solve_block(
     rc = p.reduced_costs(y)
     z = p.lagrangian_bound(y, rc)
     notes.append(f"LP bound {z:.6g} over {p.n} columns ({len(lp_cols)} generated)")
+    rounded = rounder(lp_x) if rounder is not None else None
+    if rounded is not None and p.violation(rounded) <= 1e-9 and (start is None or p.cost @ rounded < p.cost @ start):
+        start = rounded
+        notes.append("incumbent from the LP point by the problem's rounding heuristic")
     if start is None:  # a rounded-and-repaired LP point as the incumbent, when one is found
         start = repair(p, lp_x)
         if start is not None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cache
 from importlib import resources
@@ -133,6 +134,17 @@ class Catalog:
 
     def with_offerings(self, offerings: list[NodeOffering]) -> Catalog:
         return Catalog(gpus=self.gpus, offerings=tuple(offerings), models=self.models)
+
+    def with_prices(self, prices: Mapping[str, Mapping[str, float]]) -> Catalog:
+        """This catalog with the $/node-hour of the offerings of {region: {config: price}} replaced; a pair
+        that no offering sells is an error."""
+        sold = {(o.region, o.config) for o in self.offerings}
+        for region, cfgs in prices.items():
+            for cfg in cfgs:
+                if (region, cfg) not in sold:
+                    raise CoralInputError(f"prices.{region}.{cfg}: no offering sells {cfg} in {region}")
+        return self.with_offerings([o.model_copy(update={"price_per_hour": float(prices[o.region][o.config])})
+                                    if o.config in prices.get(o.region, {}) else o for o in self.offerings])
 
 
 def user_models_dir() -> Path:

@@ -71,6 +71,25 @@ class OfferingCatalog(_Strict):
     offerings: list[NodeOffering]
 
 
+class MarketSnapshot(_Strict):
+    """The market a running controller plans in, as a market source publishes it (`coral serve --market`): the
+    offerings (prices, instance types, regions) and the nodes available per region and config; a part left out
+    keeps the scenario's."""
+
+    schema_version: Literal[1] = 1
+    offerings: list[NodeOffering] | None = Field(default=None, description="replace the market's offerings")
+    availability: dict[str, dict[str, int]] | None = Field(
+        default=None, description="{region: {config: nodes}}; unlisted pairs have none")
+
+    @model_validator(mode="after")
+    def _counts(self) -> MarketSnapshot:
+        for region, cfgs in (self.availability or {}).items():
+            for cfg, n in cfgs.items():
+                if n < 0:
+                    raise ValueError(f"availability.{region}.{cfg}: count must be >= 0")
+        return self
+
+
 class ModelArch(_Strict):
     """Transformer architecture, with field names following Hugging Face ``config.json``."""
 
@@ -176,14 +195,19 @@ class AvailabilityHeadroom(_Strict):
 
 
 class AvailabilityStep(_Strict):
-    """From `at_s` on, the listed (region, config) node counts."""
+    """From `at_s` on, the listed (region, config) node counts and prices."""
 
     at_s: float = Field(ge=0, description="from this simulated time on")
-    counts: dict[str, dict[str, int]] = Field(description="{region: {config: nodes}}; unlisted pairs keep their count")
+    counts: dict[str, dict[str, int]] = Field(
+        default_factory=dict, description="{region: {config: nodes}}; unlisted pairs keep their count")
+    prices: dict[str, dict[str, float]] = Field(
+        default_factory=dict, description="{region: {config: $/node-hour}}; unlisted pairs keep their price (the "
+        "offerings' at first)")
 
 
 class AvailabilitySchedule(_Strict):
-    """Piecewise-constant availability. Each step overrides the listed (region, config) counts."""
+    """Piecewise-constant market: availability and prices. Each step overrides the listed (region, config)
+    counts and prices."""
 
     schema_version: Literal[1] = 1
     steps: list[AvailabilityStep] = Field(min_length=1)
@@ -198,6 +222,10 @@ class AvailabilitySchedule(_Strict):
                 for cfg, n in cfgs.items():
                     if n < 0:
                         raise ValueError(f"steps.{i}.counts.{region}.{cfg}: count must be >= 0")
+            for region, prices in s.prices.items():
+                for cfg, price in prices.items():
+                    if not price > 0:
+                        raise ValueError(f"steps.{i}.prices.{region}.{cfg}: price must be > 0")
         return self
 
     def at(self, t: float) -> dict[str, dict[str, int]]:
@@ -208,6 +236,16 @@ class AvailabilitySchedule(_Strict):
                 break
             for region, cfgs in s.counts.items():
                 out.setdefault(region, {}).update(cfgs)
+        return out
+
+    def prices_at(self, t: float) -> dict[str, dict[str, float]]:
+        """Price overrides in force at time t ({} when no step has set any)."""
+        out: dict[str, dict[str, float]] = {}
+        for s in self.steps:
+            if s.at_s > t:
+                break
+            for region, prices in s.prices.items():
+                out.setdefault(region, {}).update(prices)
         return out
 
 

@@ -2,6 +2,12 @@
 coral.allocation.baselines), goodput under scarcity, online solve time, a multi-epoch run with shifting demand
 and availability, and the waterfall from the paper's setting to ours.
 
+SLO goodput is measured as the paper measures it, by simulation: every plan of the default, scarce and
+imbalanced experiments is run on the scenario's held-out workload (seed `HELD_OUT_SEED`, the scenario's run
+length; the planner sizes demand on seed 0) and scored by the generated tokens/s of requests that met both SLOs,
+beside the planned share of demand served. Prices, instance types and regions come from `offerings` when given
+(an offerings file, as `--offerings`), else from each scenario's own market.
+
 Every experiment returns an `ExperimentResult` (rows of a table) and writes `<out>/experiments/<name>.json` and
 `<name>.png`. Libraries are built once per scenario and cached at `<out>/<scenario>.templates.sqlite`."""
 
@@ -20,16 +26,18 @@ import numpy as np
 from coral.allocation import baselines
 from coral.allocation.allocator import UNLIMITED, InfeasibleDemand, allocate
 from coral.allocation.availability import estimated_nodes, headroom_availability, resolve_availability
-from coral.allocation.demand import DemandKey, phase_demand, scenario_demand
+from coral.allocation.demand import TUNING_SEED, DemandKey, run_length_s, scenario_demand
 from coral.allocation.plan import Plan
-from coral.catalog.loader import Catalog, builtin_catalog, load_scenario
+from coral.catalog.loader import Catalog, builtin_catalog, load_offerings, load_scenario, market_catalog
 from coral.catalog.schema import Scenario
 from coral.experiments.paper import paper_setting, waterfall_settings
 from coral.templates.library import TemplateLibrary
 from coral.templates.store import load_library
+from coral.workload.traces import RequestSet, workload_for
 
 SCARCE_FACTORS = (0.5, 0.8, 1.25, 1.75)  # < 1: below the estimate; demand may not be met
 EPOCH_SEED = 7
+HELD_OUT_SEED = TUNING_SEED + 1  # the workload plans are scored on; the planner never sees it
 
 
 @dataclass
@@ -42,13 +50,56 @@ class ExperimentResult:
     files: list[Path] = field(default_factory=list)
 
 
+class Inputs:
+    """Scenarios, their market and their libraries, loaded once per experiment: the market is `offerings` (an
+    offerings file) when given, else each scenario's own."""
+
+    def __init__(self, out: Path, offerings: Path | None = None) -> None:
+        self.out, self.offerings = out, offerings
+        self._cache: dict[str, tuple[Scenario, Catalog, TemplateLibrary]] = {}
+
+    def __call__(self, name: str) -> tuple[Scenario, Catalog, TemplateLibrary]:
+        if name not in self._cache:
+            if self.offerings is None:
+                sc = load_scenario(name)
+                cat = market_catalog(sc)
+            else:
+                cat = load_offerings(self.offerings)
+                sc = load_scenario(name, cat).model_copy(update={"offerings": str(self.offerings.resolve())})
+            self._cache[name] = (sc, cat, load_library(name, self.out, cat))
+        return self._cache[name]
+
+
+class Judge:
+    """A plan's SLO goodput by simulation (module doc), on the held-out workload of the scenario it serves (made
+    once per scenario and kept)."""
+
+    def __init__(self) -> None:
+        self._workloads: dict[str, dict[str, RequestSet]] = {}
+
+    def __call__(self, plan: Plan, sc: Scenario, catalog: Catalog) -> dict[str, float]:
+        from coral.simulation.run import simulate
+
+        duration = run_length_s(sc)
+        key = sc.model_dump_json(include={"models", "trace_scaling", "epochs", "epoch_minutes"})
+        if key not in self._workloads:
+            self._workloads[key] = workload_for(sc, duration, HELD_OUT_SEED)
+        requests = self._workloads[key]
+        sim = simulate(plan, sc, requests, duration_s=duration, seed=HELD_OUT_SEED, catalog=catalog)
+        offered = sum(float(r.output_tokens.sum()) for r in requests.values()) / duration
+        return {"sim_goodput": round(sim.goodput_tokens_s, 1),
+                "goodput_share": round(sim.goodput_tokens_s / offered, 4) if offered else 1.0,
+                "attainment": round(sim.slo_attainment, 4),
+                "least_attainment": round(min((m.slo_attainment for m in sim.models), default=1.0), 4)}
+
+
 def _min_served(plan: Plan) -> float:
     return min((s.served_fraction for s in plan.serving if s.demand > 0), default=1.0)
 
 
 def _served(plan: Plan) -> float:
     """Planned share of demand served: Σ min(capacity, demand) / Σ demand over all (model, phase) (the paper's
-    goodput, SLO-meeting tokens/s, needs a simulation: `coral simulate`)."""
+    goodput, SLO-meeting tokens/s, is the `Judge`'s)."""
     dem = sum(s.demand for s in plan.serving)
     return sum(min(s.capacity, s.demand) for s in plan.serving) / dem if dem else 1.0
 
@@ -85,11 +136,14 @@ def _met(plan: Plan) -> bool:
 
 
 def _compare(name: str, lib: TemplateLibrary, sc: Scenario, avail: dict[str, dict[str, int]] | str,
-             demand: dict[DemandKey, float] | None, time_limit: float) -> list[dict[str, Any]]:
-    """One row per method (`compare_plans`); ratio = the method's $/h over Coral's (> 1: Coral is cheaper)."""
-    plans = compare_plans(lib, sc, avail, demand, time_limit)
+             time_limit: float, catalog: Catalog, judge: Judge | None) -> list[dict[str, Any]]:
+    """One row per method (`compare_plans`, on the scenario's demand); ratio = the method's $/h over Coral's
+    (> 1: Coral is cheaper); with a `judge`, each plan's simulated SLO goodput and goodput_x = Coral's goodput
+    over the method's (> 1: Coral serves more tokens/s within SLO)."""
+    plans = compare_plans(lib, sc, avail, None, time_limit, catalog)
     coral = plans["coral"].cost_per_hour
-    return [{
+    judged = {method: judge(p, sc, catalog) for method, p in plans.items()} if judge is not None else {}
+    rows: list[dict[str, Any]] = [{
         "setting": name, "method": method, "cost_per_hour": round(p.cost_per_hour, 4),
         "ratio": round(p.cost_per_hour / coral, 4) if coral > 0 else None, "demand_met": _met(p),
         "instances": len(p.instances), "nodes": sum(i.n_nodes for i in p.instances),
@@ -97,60 +151,66 @@ def _compare(name: str, lib: TemplateLibrary, sc: Scenario, avail: dict[str, dic
         "min_served": round(_min_served(p), 4), "served": round(_served(p), 4),
         "demand_scale": p.demand_scale, "solve_s": round(p.solve.time_s, 3),
         "gap": p.solve.gap, "status": p.solve.status,
+        **judged.get(method, {}),
     } for method, p in plans.items()]
+    if judged:
+        best = judged["coral"]["sim_goodput"]
+        for r in rows:
+            got = judged[r["method"]]["sim_goodput"]
+            r["goodput_x"] = round(best / got, 4) if got > 0 else None
+    return rows
 
 
 COMPARE_COLUMNS = ["setting", "method", "cost_per_hour", "ratio", "demand_met", "instances", "nodes",
                    "heterogeneous", "min_served", "served", "demand_scale", "solve_s", "gap", "status"]
+JUDGED_COLUMNS = ["sim_goodput", "goodput_share", "goodput_x", "attainment", "least_attainment"]
 
 
-class _Estimates:
-    """E_c per scenario (the unlimited cost-optimal plan's nodes), computed once."""
-
-    def __init__(self) -> None:
-        self._cache: dict[str, dict[str, int]] = {}
-
-    def availability(self, sc: Scenario, lib: TemplateLibrary, factor: float,
-                     demand: dict[DemandKey, float] | None = None) -> dict[str, dict[str, int]]:
-        key = sc.name + ("" if demand is None else json.dumps(sorted((f"{m}/{p}", v) for (m, p), v in demand.items())))
-        if key not in self._cache:
-            if demand is None:
-                self._cache[key] = estimated_nodes(sc, lib)
-            else:
-                plan = allocate(lib, sc, demand=demand, availability="unlimited", gap=1e-6)
-                est: dict[str, int] = {}
-                for inst in plan.instances:
-                    for c, n in inst.counts.items():
-                        est[c] = est.get(c, 0) + n
-                self._cache[key] = est
-        return headroom_availability(sc, self._cache[key], factor)
+def _columns(judge: Judge | None) -> list[str]:
+    return COMPARE_COLUMNS + (JUDGED_COLUMNS if judge is not None else [])
 
 
-def exp_default(out: Path, time_limit: float = 30.0) -> ExperimentResult:
+def _availability(sc: Scenario, lib: TemplateLibrary, factor: float, catalog: Catalog) -> dict[str, dict[str, int]]:
+    """The headroom rule at `factor` × E_c (the nodes of the scenario's unlimited cost-optimal plan, memoised)."""
+    return headroom_availability(sc, estimated_nodes(sc, lib, catalog), factor, catalog)
+
+
+def exp_default(inputs: Inputs, judge: Judge | None, time_limit: float = 30.0) -> ExperimentResult:
     """The default setting (core and extended): at the scenarios' availability (the headroom rule, derived from
     Coral's own unlimited plan, so it offers few nodes of shapes Coral does not use) and with unlimited
     availability (no such bias)."""
-    est = _Estimates()
     rows = []
     for name in ("core", "extended"):
-        sc, lib = load_scenario(name), load_library(name, out)
+        sc, cat, lib = inputs(name)
         factor = sc.availability.factor if not isinstance(sc.availability, dict) else 3.0
-        rows += _compare(name, lib, sc, est.availability(sc, lib, factor), None, time_limit)
-        rows += _compare(f"{name} unlimited", lib, sc, UNLIMITED, None, time_limit)
-    return ExperimentResult("default", "Default setting: planned $/h", COMPARE_COLUMNS, rows,
-                            notes=["ratio = method $/h / Coral $/h; a ratio is a saving only where demand_met"])
+        rows += _compare(name, lib, sc, _availability(sc, lib, factor, cat), time_limit, cat, judge)
+        rows += _compare(f"{name} unlimited", lib, sc, UNLIMITED, time_limit, cat, judge)
+    return ExperimentResult("default", "Default setting: planned $/h", _columns(judge), rows,
+                            notes=["ratio = method $/h / Coral $/h; a ratio is a saving only where demand_met",
+                                   *_judged_notes(judge)])
 
 
-def exp_scarce(out: Path, time_limit: float = 30.0) -> ExperimentResult:
-    """Scarce availability: 25% and 75% above the estimated demand (availability module doc), and 20% / 50% below
-    it (when demand cannot be met, Coral runs the goodput and scaled modes)."""
-    est = _Estimates()
+def _judged_notes(judge: Judge | None) -> list[str]:
+    if judge is None:
+        return ["not simulated (--no-simulate): served is the planned share of demand, not SLO goodput"]
+    return [f"sim_goodput = generated tokens/s of requests meeting both SLOs, simulated on the held-out workload "
+            f"(seed {HELD_OUT_SEED}); goodput_share = of all tokens/s offered; goodput_x = Coral's sim_goodput / "
+            "the method's (> 1: Coral serves more within SLO); attainment = share of requests within SLO"]
+
+
+def exp_scarce(inputs: Inputs, judge: Judge | None, time_limit: float = 30.0) -> ExperimentResult:
+    """Scarce availability: 25% and 75% above the estimated demand (the paper's core and extended settings;
+    availability module doc), and 20% / 50% below it (when demand cannot be met, Coral runs the goodput, max-min
+    and scaled modes)."""
     rows = []
     for name in ("core", "extended"):
-        sc, lib = load_scenario(name), load_library(name, out)
+        sc, cat, lib = inputs(name)
         for f in SCARCE_FACTORS:
-            rows += _compare(f"{name} x{f:g}", lib, sc, est.availability(sc, lib, f), None, time_limit)
-    return ExperimentResult("scarce", "Scarce availability: cost and goodput", COMPARE_COLUMNS, rows)
+            rows += _compare(f"{name} x{f:g}", lib, sc, _availability(sc, lib, f, cat), time_limit, cat, judge)
+    return ExperimentResult("scarce", "Scarce availability: cost and goodput", _columns(judge), rows,
+                            notes=["availability = ceil(factor × E_c / |R_c|), E_c the nodes of Coral's unlimited "
+                                   "plan; the paper's scarce settings are core x1.25 and extended x1.75",
+                                   *_judged_notes(judge)])
 
 
 def _by_size(sc: Scenario) -> list[str]:
@@ -168,16 +228,21 @@ def _by_size(sc: Scenario) -> list[str]:
     return sorted(size, key=lambda m: size[m])
 
 
-def _imbalanced_demand(sc: Scenario, large_heavy: bool) -> dict[DemandKey, float]:
+def with_rates(sc: Scenario, rates: dict[str, float], label: str) -> Scenario:
+    """The scenario with other request rates per model (its traces brought to them like any rate)."""
+    return sc.model_copy(update={"name": f"{sc.name} {label}", "models": [
+        m.model_copy(update={"request_rate": rates[m.model]}) for m in sc.models]})
+
+
+def imbalanced_rates(sc: Scenario, large_heavy: bool) -> dict[str, float]:
     """Ours: rates ×2 for the larger half of the models (by parameters) and ×0.5 for the rest, or the reverse."""
     ranked = _by_size(sc)
     large = set(ranked[len(ranked) // 2:])
-    base = scenario_demand(sc)
-    return {(m, p): v * ((2.0 if m in large else 0.5) if large_heavy else (0.5 if m in large else 2.0))
-            for (m, p), v in base.items()}
+    return {m.model: m.request_rate * ((2.0 if m.model in large else 0.5) if large_heavy
+                                       else (0.5 if m.model in large else 2.0)) for m in sc.models}
 
 
-def _paper_imbalanced_demand(sc: Scenario, large_heavy: bool, heavy_share: float = 0.8) -> dict[DemandKey, float]:
+def paper_imbalanced_rates(sc: Scenario, large_heavy: bool, heavy_share: float = 0.8) -> dict[str, float]:
     """The paper's (§6.5): the scenario's total request rate, `heavy_share` of it split equally over the largest
     (or smallest) third of the models, the rest split equally over the others."""
     ranked = _by_size(sc)
@@ -185,28 +250,28 @@ def _paper_imbalanced_demand(sc: Scenario, large_heavy: bool, heavy_share: float
     heavy = set(ranked[-n_heavy:] if large_heavy else ranked[:n_heavy])
     total = sum(sm.request_rate for sm in sc.models)
     light = len(ranked) - len(heavy)
-    out: dict[DemandKey, float] = {}
-    for sm in sc.models:
-        rate = total * (heavy_share / len(heavy) if sm.model in heavy else (1 - heavy_share) / max(light, 1))
-        out.update({(sm.model, p): v for p, v in phase_demand(sm, rate).items()})
-    return out
+    return {sm.model: total * (heavy_share / len(heavy) if sm.model in heavy else (1 - heavy_share) / max(light, 1))
+            for sm in sc.models}
 
 
-def exp_imbalanced(out: Path, time_limit: float = 30.0) -> ExperimentResult:
+def exp_imbalanced(inputs: Inputs, judge: Judge | None, time_limit: float = 30.0) -> ExperimentResult:
     """Imbalanced demand on core and extended: the paper's definition (80 % of the requests on the largest or
-    smallest third of the models) and ours (×2 / ×0.5 by model size), large-heavy and small-heavy."""
-    est = _Estimates()
+    smallest third of the models) and ours (×2 / ×0.5 by model size), large-heavy and small-heavy. Each setting
+    is a scenario of its own (its rates, and so its traffic, headroom and held-out workload); availability is
+    the headroom rule at 3× that scenario's estimate."""
     rows = []
     for name in ("core", "extended"):
-        sc, lib = load_scenario(name), load_library(name, out)
-        for label, make in (("paper", _paper_imbalanced_demand), ("x2/x0.5", _imbalanced_demand)):
+        base, cat, lib = inputs(name)
+        for label, rates in (("paper", paper_imbalanced_rates), ("x2/x0.5", imbalanced_rates)):
             for heavy in (True, False):
-                dem = make(sc, heavy)
-                setting = f"{name} {label} {'large' if heavy else 'small'}-heavy"
-                rows += _compare(setting, lib, sc, est.availability(sc, lib, 3.0, dem), dem, time_limit)
-    return ExperimentResult("imbalanced", "Imbalanced demand (core and extended)", COMPARE_COLUMNS, rows,
+                setting = f"{label} {'large' if heavy else 'small'}-heavy"
+                sc = with_rates(base, rates(base, heavy), setting)
+                rows += _compare(f"{name} {setting}", lib, sc, _availability(sc, lib, 3.0, cat), time_limit,
+                                 cat, judge)
+    return ExperimentResult("imbalanced", "Imbalanced demand (core and extended)", _columns(judge), rows,
                             notes=["paper: 80 % of requests on the largest / smallest third of the models; "
-                                   "x2/x0.5: rates doubled for the larger (smaller) half, halved for the rest"])
+                                   "x2/x0.5: rates doubled for the larger (smaller) half, halved for the rest",
+                                   *_judged_notes(judge)])
 
 
 def _churn(prev: Plan | None, new: Plan) -> tuple[int, int]:
@@ -222,14 +287,15 @@ def _churn(prev: Plan | None, new: Plan) -> tuple[int, int]:
     return started, stopped
 
 
-def exp_epochs(out: Path, time_limit: float = 30.0, scenario: str = "extended") -> ExperimentResult:
+def exp_epochs(inputs: Inputs, judge: Judge | None, time_limit: float = 30.0, scenario: str = "extended"
+               ) -> ExperimentResult:
     """Five epochs with demand (×U[0.6, 1.4] per model) and availability (factor U[1.5, 3]) shifting
-    deterministically (seed EPOCH_SEED); each epoch re-plans from the previous one with the scale-up penalty."""
-    est = _Estimates()
-    sc, lib = load_scenario(scenario), load_library(scenario, out)
+    deterministically (seed EPOCH_SEED); each epoch re-plans from the previous one with the scale-up penalty.
+    Planned figures only (`judge` unused): the simulator's re-planning runs are `coral simulate`'s."""
+    sc, cat, lib = inputs(scenario)
     rng = np.random.default_rng(EPOCH_SEED)
     base = scenario_demand(sc)
-    avail0 = est.availability(sc, lib, 1.0)
+    avail0 = _availability(sc, lib, 1.0, cat)
     rows = []
     prev: Plan | None = None
     for epoch in range(sc.epochs):
@@ -239,9 +305,10 @@ def exp_epochs(out: Path, time_limit: float = 30.0, scenario: str = "extended") 
         avail = {r: {c: int(np.ceil(n * factor)) for c, n in cs.items()} for r, cs in avail0.items()}
         t0 = time.perf_counter()
         try:
-            plan = allocate(lib, sc, demand=dem, availability=avail, running=prev, time_limit=time_limit)
+            plan = allocate(lib, sc, demand=dem, availability=avail, running=prev, catalog=cat,
+                            time_limit=time_limit)
         except InfeasibleDemand:
-            plan = allocate(lib, sc, demand=dem, availability=avail, running=prev, mode="goodput",
+            plan = allocate(lib, sc, demand=dem, availability=avail, running=prev, mode="goodput", catalog=cat,
                             time_limit=time_limit)
         wall = time.perf_counter() - t0
         started, stopped = _churn(prev, plan)
@@ -273,14 +340,15 @@ def waterfall_rows(lib: TemplateLibrary, sc: Scenario, time_limit: float = 30.0)
     return rows
 
 
-def exp_waterfall(out: Path, time_limit: float = 30.0, scenario: str = "core") -> ExperimentResult:
-    """From the paper's setting to ours, one change at a time (coral/data/paper_setting.yaml)."""
-    sc = load_scenario(scenario)
-    rows = waterfall_rows(load_library(scenario, out), sc, time_limit)
+def exp_waterfall(inputs: Inputs, judge: Judge | None, time_limit: float = 30.0, scenario: str = "core"
+                  ) -> ExperimentResult:
+    """From the paper's setting to ours, one change at a time (coral/data/paper_setting.yaml); planned figures."""
+    sc, _cat, lib = inputs(scenario)
+    rows = waterfall_rows(lib, sc, time_limit)
     cols = ["step", "change", "coral", *(c for m in METHODS[1:] for c in (m, f"{m} x")), "all_met"]
     return ExperimentResult(f"waterfall-{sc.name}", f"From the paper's setting to ours ({sc.name})", cols, rows,
                             notes=["$/h per method; 'x' = method $/h / Coral $/h (> 1: Coral is cheaper)",
-                                   "paper prices: Table 1 relative cost per GPU × mean L4 $/GPU-h of offerings.yaml",
+                                   "paper prices: Table 1 relative cost per GPU × mean L4 $/GPU-h of the market",
                                    f"source: {paper_setting().source}"])
 
 
@@ -339,14 +407,16 @@ def _plot(result: ExperimentResult, path: Path) -> None:
     plt.close(fig)
 
 
-def run_experiment(name: str, out: Path = Path("out"), time_limit: float = 30.0, **options: Any) -> ExperimentResult:
-    """Run one experiment and write its JSON and PNG under `out/experiments/` (`options`: e.g. scenario= for
-    epochs)."""
+def run_experiment(name: str, out: Path = Path("out"), time_limit: float = 30.0, *, offerings: Path | None = None,
+                   simulate: bool = True, **options: Any) -> ExperimentResult:
+    """Run one experiment and write its JSON and PNG under `out/experiments/` (`offerings`: the market file;
+    `simulate`: measure SLO goodput by simulation; `options`: e.g. scenario= for epochs)."""
     from coral.catalog.loader import CoralInputError
 
     if name not in EXPERIMENTS:
         raise CoralInputError(f"experiment {name!r}: unknown; known: {', '.join(EXPERIMENTS)}")
-    result = EXPERIMENTS[name](out, time_limit=time_limit, **options)
+    result = EXPERIMENTS[name](Inputs(out, offerings), Judge() if simulate else None, time_limit=time_limit,
+                               **options)
     folder = out / "experiments"
     folder.mkdir(parents=True, exist_ok=True)
     js = folder / f"{result.name}.json"

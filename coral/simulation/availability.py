@@ -12,12 +12,13 @@ from coral.catalog.schema import AvailabilitySchedule, Scenario
 def check_schedule(schedule: AvailabilitySchedule, scenario: Scenario, source: str) -> None:
     """Every region and config a schedule names must be in the scenario."""
     for i, s in enumerate(schedule.steps):
-        for region, cfgs in s.counts.items():
-            if region not in scenario.regions:
-                raise CoralInputError(f"{source}: steps.{i}.counts: region {region!r} is not in the scenario")
-            for cfg in cfgs:
-                if cfg not in scenario.configs:
-                    raise CoralInputError(f"{source}: steps.{i}.counts.{region}: config {cfg!r} not in scenario")
+        for field, table in (("counts", s.counts), ("prices", s.prices)):
+            for region, cfgs in table.items():
+                if region not in scenario.regions:
+                    raise CoralInputError(f"{source}: steps.{i}.{field}: region {region!r} is not in the scenario")
+                for cfg in cfgs:
+                    if cfg not in scenario.configs:
+                        raise CoralInputError(f"{source}: steps.{i}.{field}.{region}: config {cfg!r} not in scenario")
 
 
 def load_availability(path: str | Path, scenario: Scenario | None = None) -> AvailabilitySchedule:

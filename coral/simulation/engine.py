@@ -38,6 +38,7 @@ from typing import Any, Generic, TypeVar
 import numpy as np
 
 from coral.allocation.plan import Plan, PlanClass, PlanInstance, SolveReport, class_indices
+from coral.catalog.loader import Catalog
 from coral.perf.model import Workload
 from coral.simulation.kernels import KernelCache, NodeKernel, decode_step
 
@@ -228,7 +229,8 @@ class ObservedDemand:
     epoch 0, the scenario's forecast, start_s = end_s = 0) or, with an oracle forecast, the coming one — and
     the node availability now in force (None = the scenario's own). `series` splits the window's demand into
     consecutive intervals of `interval_s` (the last one possibly shorter); `latency` holds the window's observed
-    latencies per model (empty for the scenario's forecast and for an oracle's coming epoch)."""
+    latencies per model (empty for the scenario's forecast and for an oracle's coming epoch); `market` is the
+    catalog of offerings and prices now in force when it differs from the re-planner's own (None = unchanged)."""
 
     epoch: int
     start_s: float
@@ -238,6 +240,7 @@ class ObservedDemand:
     interval_s: float = 0.0
     series: dict[str, list[ModelDemand]] = field(default_factory=dict)
     latency: dict[str, ObservedLatency] = field(default_factory=dict)
+    market: Catalog | None = None
 
 
 Replanner = Callable[[int, ObservedDemand, Plan | None], Plan]

@@ -54,7 +54,8 @@ def allocator_replanner(
     its instances rather than trade them for a slightly smaller set it would pay start-ups for. Each (model,
     phase) asks for at least `floor_tokens_s` (> 0 keeps an instance of every model, even idle). In "cost" mode,
     demand that cannot be met falls back to "goodput" mode (largest served fraction), as an operator would
-    rather serve part of a spike than nothing; `log` collects one line per epoch."""
+    rather serve part of a spike than nothing; `log` collects one line per epoch. Prices and offerings are the
+    observed market's when it has one (`ObservedDemand.market`), else `catalog`'s."""
     if isinstance(headroom, Mapping):
         room = dict(headroom)
     else:
@@ -98,7 +99,7 @@ def allocator_replanner(
 
         def run(m: Mode) -> Plan:
             return allocate(library, scenario, mode=m, demand=demand, availability=observed.availability,
-                            catalog=catalog, running=running, time_limit=time_limit)
+                            catalog=observed.market or catalog, running=running, time_limit=time_limit)
 
         try:
             plan = run(mode)

@@ -66,7 +66,9 @@ def simulate(
     `forecast` is the demand a re-planner is shown: the previous epoch's ("previous") or the coming epoch's
     actual demand ("oracle", a perfect forecast, for comparison), with its demand per `interval_s` and, for the
     previous epoch, the latencies observed so far (`ObservedDemand`). `kv_reserve` is the KV a decoding request
-    is charged: prompt + half its output ("mean", a paged cache's average) or prompt + output ("max")."""
+    is charged: prompt + half its output ("mean", a paged cache's average) or prompt + output ("max").
+    `availability` may change prices too (its steps' `prices`): a re-planner is shown the market in force, and
+    an instance is billed the price its plan was made at."""
     if duration_s <= 0 or interval_s <= 0:
         raise CoralInputError("duration_s and interval_s must be > 0")
     if forecast not in ("previous", "oracle"):
@@ -118,7 +120,13 @@ def simulate(
                                     float(t_out[sel].sum() / (b - a)))
             series[m] = per_interval(sel)
         return ObservedDemand(epoch, a, b, models, availability.at(epoch * epoch_s) if availability else None,
-                              interval_s, series, observed_latency(lo, hi, epoch * epoch_s) if window < epoch else {})
+                              interval_s, series, observed_latency(lo, hi, epoch * epoch_s) if window < epoch else {},
+                              market_at(epoch * epoch_s))
+
+    def market_at(t: float) -> Catalog | None:
+        """The catalog with the schedule's prices in force at `t`; None while it sets none."""
+        prices = availability.prices_at(t) if availability else {}
+        return catalog.with_prices(prices) if prices else None
 
     def observed_latency(lo: int, hi: int, now: float) -> dict[str, ObservedLatency]:
         """Latencies of requests lo..hi as known at `now` (see `ObservedLatency`)."""
@@ -142,7 +150,8 @@ def simulate(
         if forecast == "oracle":
             first = replan(0, demand_of(0), None)
         else:
-            first = replan(0, ObservedDemand(0, 0.0, 0.0, scenario_forecast(scenario), avail0), None)
+            first = replan(0, ObservedDemand(0, 0.0, 0.0, scenario_forecast(scenario), avail0,
+                                             market=market_at(0.0)), None)
     check_plan(first, scenario)
 
     def checked(epoch: int, demand: ObservedDemand, running: Plan | None) -> Plan:
