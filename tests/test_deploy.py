@@ -4,18 +4,22 @@ from __future__ import annotations
 
 import json
 import shlex
+import subprocess
+from pathlib import Path
 
 import pytest
 import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from sky_check import INSTALL_HINT as SKY_INSTALL_HINT
+from sky_check import sky_python
 from typer.testing import CliRunner
 
 from coral.catalog.loader import CoralInputError, builtin_catalog
 from coral.catalog.schema import ModelArch
 from coral.cli.main import app
 from coral.deploy.endpoints import EndpointsFile
-from coral.deploy.render import dns_name, render
+from coral.deploy.render import TARGETS, dns_name, launchable, render
 from coral.deploy.schemas import validate_manifest
 from coral.deploy.vllm import (
     KV_TRANSFER_CONFIG,
@@ -26,10 +30,11 @@ from coral.deploy.vllm import (
 )
 from coral.perf.model import Phase
 from coral.runtime.handmade import make_instance, make_plan
-from coral.templates.engines import engine_library
+from coral.templates.engines import DEPLOY_TARGETS, engine_library
 from coral.templates.library import Stage, Template, TemplateLibrary
 
 CAT = builtin_catalog()
+SKY_CHECK = Path(__file__).with_name("sky_check.py")
 PHI = CAT.model("phi-4")
 QWEN = CAT.model("qwen3-32b")
 
@@ -235,7 +240,7 @@ def test_manifest_validation_names_the_field():
 
 def test_skypilot_services(tmp_path):
     res = render(sample_plan(), "skypilot", tmp_path)
-    assert "multi-node" in res.skipped["qwen3-32b.prefill.t3.aws-us-east-2.0"]
+    assert "node configs 4xL4 | 4xL40S" in res.skipped["qwen3-32b.prefill.t3.aws-us-east-2.0"]
     assert "NixlConnector" in res.skipped["qwen3-32b.decode.t7.aws-us-east-2.0"]
     assert res.uncovered == [("qwen3-32b", "prefill")]
     docs = {p.name: yaml.safe_load(p.read_text()) for p in res.files}
@@ -250,19 +255,54 @@ def test_skypilot_services(tmp_path):
     }
     assert svc["secrets"] == {"HF_TOKEN": None} and "HF_TOKEN" not in svc["envs"]
     assert svc["service"]["replicas"] == 2 and svc["service"]["readiness_probe"]["path"] == "/health"
+    assert svc["service"]["ports"] == 8000  # the replica's serving port: sky serve up needs it with two ports open
+    assert "num_nodes" not in svc
     first, second = svc["run"].splitlines()
     assert first.startswith("export CORAL_NODE_ADDR=$(hostname -I")
     assert shlex.split(second)[2:4] == ["vllm", "serve"]
 
 
-def test_skypilot_schema_when_installed(tmp_path):
-    sky = pytest.importorskip("sky")
-    from sky.serve import SkyServiceSpec
+def one_config_pipeline(index: int = 0):
+    return make_instance("qwen3-32b", "prefill", [(30, ["4xL40S"]), (34, ["4xL40S"])], 900.0, template_id=5,
+                         index=index)
 
-    for path in render(sample_plan(), "skypilot", tmp_path).files:
-        cfg = yaml.safe_load(path.read_text())
-        sky.Task.from_yaml_config({k: v for k, v in cfg.items() if k != "service"})
-        SkyServiceSpec.from_yaml_config(cfg["service"])
+
+def test_skypilot_runs_a_one_config_pipeline_as_multi_node_replicas(tmp_path):
+    """Two instances of a 4xL40S | 4xL40S prefill pipeline: one service of 2 replicas of 2 nodes, node r running
+    exactly rank r's command of `launch_commands`, rendezvous at SkyPilot's head node."""
+    res = render(make_plan([one_config_pipeline(0), one_config_pipeline(1)]), "skypilot", tmp_path)
+    assert res.skipped == {} and res.uncovered == []
+    (path,) = res.files
+    svc = yaml.safe_load(path.read_text())
+    assert (svc["num_nodes"], svc["service"]["replicas"], svc["service"]["ports"]) == (2, 2, 8000)
+    assert svc["resources"]["instance_type"] == "g6e.12xlarge" and svc["resources"]["accelerators"] == "L40S:4"
+    lines = svc["run"].splitlines()
+    assert lines[1] == 'export CORAL_HEAD_ADDR=$(echo "$SKYPILOT_NODE_IPS" | head -n1)'
+    assert lines[2] == 'case "$SKYPILOT_NODE_RANK" in' and lines[-1] == "esac"
+    for launch in launch_commands(one_config_pipeline(), QWEN, push=True):
+        (case,) = [ln for ln in lines if ln.startswith(f"  {launch.rank}) ")]
+        words = shlex.split(case.removeprefix(f"  {launch.rank}) ").removesuffix(" ;;"))
+        assert words[words.index("exec") + 1:] == launch.argv
+
+
+def test_skypilot_services_pass_sky_serve_up_checks(tmp_path):
+    """Every service file `coral deploy --target skypilot` writes (single-node and multi-node replicas) passes
+    the checks `sky serve up` runs on it (`tests/sky_check.py`), with SkyPilot in a venv of its own."""
+    python = sky_python()
+    if python is None:
+        pytest.skip(f"SkyPilot is not installed: `{SKY_INSTALL_HINT}` installs it (or set CORAL_SKY_PYTHON)")
+    plan = sample_plan()
+    plan.instances.append(one_config_pipeline())
+    files = [str(p) for p in render(plan, "skypilot", tmp_path).files]
+    assert len(files) == 4
+    out = subprocess.run([python, str(SKY_CHECK), *files], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    bad = yaml.safe_load(Path(files[0]).read_text())
+    del bad["service"]["ports"]  # what rendering wrote before: sky serve up refuses it
+    (tmp_path / "bad.sky.yaml").write_text(yaml.safe_dump(bad))
+    out = subprocess.run([python, str(SKY_CHECK), str(tmp_path / "bad.sky.yaml")], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 1 and "service.ports" in out.stdout
 
 
 def test_commands_target_writes_one_script_per_node(tmp_path):
@@ -274,8 +314,6 @@ def test_commands_target_writes_one_script_per_node(tmp_path):
     rank1 = (tmp_path / "qwen3-32b-prefill-t3-aws-us-east-2-0.rank1.sh").read_text()
     assert rank1.count("vllm serve") == 1 and "--node-rank 1" in rank1
     assert ': "${CORAL_HEAD_ADDR:?' in rank1 and "exec vllm serve" in rank1
-    import subprocess
-
     for p in res.files:
         subprocess.run(["bash", "-n", str(p)], check=True)  # valid shell
     name = dns_name("A" * 80, "b.c")
@@ -312,7 +350,9 @@ def test_deploy_fails_and_writes_nothing_when_a_phase_is_left_uncovered(tmp_path
     out = tmp_path / "out"
     r = CliRunner().invoke(app, ["deploy", "--plan", str(plan_path), "--target", "commands", "--out", str(out)])
     assert r.exit_code != 0
-    assert "phi-4/decode" in r.output and "--engine vllm" in r.output
+    text = " ".join(r.output.split())
+    assert "phi-4/decode" in text and "`coral allocate core --target commands`" in text
+    assert "core.cost.coral.commands.plan.json" in text
     assert not out.exists()
 
 
@@ -336,7 +376,7 @@ def _library(layouts):
             st.sampled_from(["phi-4", "qwen3-32b"]),
             st.sampled_from(["prefill", "decode"]),
             st.lists(
-                st.tuples(st.integers(1, 10), st.lists(st.sampled_from(["1xL4", "2xL4", "4xL40S", "8xA10G"]),
+                st.tuples(st.integers(1, 10), st.lists(st.sampled_from(["1xL4", "2xL4", "4xL40S", "4xL4", "8xA10G"]),
                                                        min_size=1, max_size=2)),
                 min_size=1, max_size=3,
             ),
@@ -345,13 +385,22 @@ def _library(layouts):
     )
 )
 def test_vllm_engine_library_keeps_exactly_the_realisable_templates(layouts):
+    """The library filter and the deploy stage's per-instance refusals are the same rule: for stock vLLM, and
+    for each deploy target (a plan made with `--target` is never refused by `coral deploy --target`)."""
     lib = _library(layouts)
     sub = engine_library(lib, "vllm", CAT)
     want = [i for i in range(len(lib)) if realisable(lib.template(i), CAT.model(str(lib.model[i])))]
     assert sorted(sub.throughput.tolist()) == sorted(lib.throughput[want].tolist())
+    assert tuple(DEPLOY_TARGETS) == TARGETS  # the renderers' targets are the ones the rules name
+    for target in DEPLOY_TARGETS:
+        sub = engine_library(lib, "vllm", CAT, target)
+        want = [i for i in range(len(lib)) if launchable(lib.template(i), CAT.model(str(lib.model[i])), target)]
+        assert sorted(sub.throughput.tolist()) == sorted(lib.throughput[want].tolist())
     assert engine_library(lib, "coral", CAT) is lib
     with pytest.raises(CoralInputError, match="--engine"):
         engine_library(lib, "sglang", CAT)
+    with pytest.raises(CoralInputError, match="--target"):
+        engine_library(lib, "vllm", CAT, "slurm")
 
 
 def test_mixed_data_parallel_stage_gives_one_replica_set_per_config(tmp_path):
@@ -482,3 +531,64 @@ def test_a_failure_mid_render_leaves_the_out_folder_as_it_was(tmp_path, monkeypa
     monkeypatch.undo()
     res = render(sample_plan(), "commands", out)
     assert {p.name for p in out.iterdir()} == {"keep.txt", "index.json", *(p.name for p in res.files)}
+
+
+@pytest.fixture(scope="module")
+def core_out(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from coral.templates.store import load_library
+
+    out = tmp_path_factory.mktemp("out")
+    load_library("core", out)
+    return out
+
+
+@pytest.mark.parametrize("target", list(DEPLOY_TARGETS))
+def test_a_plan_made_for_a_target_deploys_whole(core_out, tmp_path, target):
+    """README's deploy path: `coral allocate core --target T` writes core.cost.coral.T.plan.json, recording T;
+    `coral deploy` of it on T skips nothing. The plan made without a target is refused or cut on SkyPilot (its
+    qwen3-32b prefill pipelines mix node configs), with advice naming the command that plans for it."""
+    from coral.allocation.plan import Plan
+
+    runner = CliRunner()
+    r = runner.invoke(app, ["allocate", "core", "--out", str(core_out), "--target", target])
+    assert r.exit_code == 0, r.output
+    path = core_out / f"core.cost.coral.{target}.plan.json"
+    plan = Plan.load(path)
+    assert (plan.engine, plan.target) == ("vllm", target)
+    r = runner.invoke(app, ["deploy", "--plan", str(path), "--target", target, "--out", str(tmp_path / "d"),
+                            "--strict"])
+    assert r.exit_code == 0, r.output
+    index = json.loads((tmp_path / "d" / "index.json").read_text())
+    assert index["skipped"] == {} and index["uncovered"] == [] and index["files"]
+    if target == "kubernetes":
+        for f in index["files"]:
+            for doc in yaml.safe_load_all((tmp_path / "d" / f).read_text()):
+                validate_manifest(doc, f)
+    if target == "skypilot":
+        python = sky_python()
+        if python is not None:
+            files = [str(tmp_path / "d" / f) for f in index["files"]]
+            check = subprocess.run([python, str(SKY_CHECK), *files], capture_output=True, text=True, timeout=120)
+            assert check.returncode == 0, check.stdout + check.stderr
+        r = runner.invoke(app, ["allocate", "core", "--out", str(core_out)])
+        assert r.exit_code == 0, r.output
+        r = runner.invoke(app, ["deploy", "--plan", str(core_out / "core.cost.coral.plan.json"), "--target", target,
+                                "--out", str(tmp_path / "s"), "--strict"])
+        text = " ".join(r.output.split())
+        assert r.exit_code == 2 and "`coral allocate core --target skypilot`" in text and "--engine" not in text
+
+
+def test_advice_never_repeats_the_flags_of_a_plan_made_for_the_target(tmp_path):
+    """A plan recording --target skypilot that holds what SkyPilot cannot launch was changed after planning:
+    the advice says so instead of proposing the command that made it as a fix."""
+    plan = make_plan([hetero_pipeline()], scenario="core").model_copy(update={"engine": "vllm", "target": "skypilot"})
+    path = plan.save(tmp_path / "plan.json")
+    r = CliRunner().invoke(app, ["deploy", "--plan", str(path), "--target", "skypilot", "--out", str(tmp_path / "o")])
+    text = " ".join(r.output.split())
+    assert r.exit_code == 2 and "changed after planning" in text and "Plan for this target" not in text
+    mode_method = plan.model_copy(update={"target": None, "mode": "goodput", "method": "homo-ilp"})
+    r = CliRunner().invoke(app, ["deploy", "--plan", str(mode_method.save(tmp_path / "p2.json")), "--target",
+                                 "skypilot", "--out", str(tmp_path / "o")])
+    text = " ".join(r.output.split())
+    assert "`coral allocate core --mode goodput --method homo-ilp --target skypilot`" in text
+    assert "core.goodput.homo-ilp.skypilot.plan.json" in text

@@ -33,9 +33,9 @@ def test_epochs_experiment_is_deterministic_and_writes_files(out: Path) -> None:
     assert first.rows[0]["stopped"] == 0 and first.rows[0]["penalty_per_hour"] == 0.0
     for r in first.rows:
         assert r["min_served"] == pytest.approx(1.0)
-    data = json.loads((out / "experiments" / "epochs.json").read_text())
+    data = json.loads((out / "experiments" / "epochs-core.json").read_text())
     assert data["rows"] == json.loads(json.dumps(again.rows))
-    assert (out / "experiments" / "epochs.png").stat().st_size > 0
+    assert (out / "experiments" / "epochs-core.png").stat().st_size > 0
 
 
 def test_unknown_experiment(out: Path) -> None:
@@ -171,3 +171,18 @@ def test_experiment_rows_carry_simulated_slo_goodput(out: Path, tmp_path: Path) 
     doubled = _compare("core x1.25", lib2, sc2, _availability(sc2, lib2, 1.25, cat2), 30.0, cat2, None)
     assert {r["method"]: r["cost_per_hour"] for r in doubled} == pytest.approx(
         {m: 2 * r["cost_per_hour"] for m, r in by.items()}, rel=1e-6)
+
+
+def test_scarce_plans_are_judged_on_the_share_they_serve(out: Path) -> None:
+    """Under scarcity each model is offered the share of its requests its plan serves (the rest shed and
+    counted as missed): the shares are the plan's least served fraction per model, and attainment over all
+    offered requests never exceeds the least share served."""
+    from coral.experiments.allocation import Inputs, Judge, _availability, admitted_shares
+
+    sc, cat, lib = Inputs(out)("core")
+    plan = allocate(lib, sc, availability=_availability(sc, lib, 0.5, cat), mode="goodput", catalog=cat)
+    shares = admitted_shares(plan)
+    assert shares == {m.model: min(s.served_fraction for s in plan.serving if s.model == m.model) for m in sc.models}
+    assert min(shares.values()) < 1
+    judged = Judge()(plan, sc, cat)
+    assert judged["least_attainment"] <= min(shares.values()) + 0.02  # thinning is random: a share ± noise

@@ -3,9 +3,13 @@ CPU command, the shipped CPU profile, and (marked `vllm`) a real run against vLL
 
 from __future__ import annotations
 
+import asyncio
+import json
 import sys
+from collections.abc import AsyncIterator
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 
@@ -13,7 +17,7 @@ from coral import vllm_cpu
 from coral.catalog.loader import CoralInputError, builtin_catalog, data_path
 from coral.perf import Phase, Workload
 from coral.perf.measured import MeasuredModel, ProfileSet, read_layer_profile
-from coral.perf.profiler import ProfileSpec, profile, subprocess_launcher, vllm_command
+from coral.perf.profiler import ProfileSpec, measure_decode, profile, subprocess_launcher, vllm_command
 
 FAKE = Path(__file__).with_name("fake_vllm.py")
 
@@ -89,3 +93,48 @@ def test_profile_runs_for_real_on_vllm_cpu(tmp_path: Path) -> None:
         assert [b for b, _ in rows[phase]] == list(batches)
         assert list(pset.profiles[("1xCPU", phase)].tokens) == list(batches)
         assert all(ms > 0 for _, ms in rows[phase])
+
+
+def _stream_server(chunkings: list[list[int]], clock: list[float]) -> tuple[httpx.AsyncClient, list[int]]:
+    """A client whose server streams each request's tokens in the chunk sizes of the next entry of `chunkings`,
+    as a server that falls behind merges tokens, with vLLM's running usage on every chunk and its closing usage
+    chunk; the fake `clock` moves 10 ms a token after the first chunk (so that only streams of several chunks
+    move it, whatever the interleaving). Returns the client and the `max_tokens` asked for."""
+    asked: list[int] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        asked.append(body["max_tokens"])
+        assert body["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
+        sizes = chunkings[len(asked) - 1]
+        assert sum(sizes) == body["max_tokens"]
+
+        async def chunks() -> AsyncIterator[bytes]:
+            done = 0
+            for n in sizes:
+                clock[0] += 0.010 * n if done else 0.0
+                done += n
+                yield f'data: {json.dumps({"choices": [{"text": "x"}], "usage": {"completion_tokens": done}})}\n\n'.encode()
+            yield f'data: {json.dumps({"choices": [], "usage": {"completion_tokens": done}})}\n\ndata: [DONE]\n\n'.encode()
+
+        return httpx.Response(200, content=chunks())
+
+    return httpx.AsyncClient(transport=httpx.MockTransport(handler)), asked
+
+
+def test_decode_counts_tokens_not_chunks() -> None:
+    """Four tokens merged into chunks of 1 and 3 are three steps after the first chunk, not one."""
+    clock = [0.0]
+    client, asked = _stream_server([[1, 3]], clock)
+    per_step = asyncio.run(measure_decode(client, "http://x", "m", 1, 4, clock=lambda: clock[0]))
+    assert per_step == pytest.approx(0.010) and asked == [4]
+
+
+def test_decode_all_in_one_chunk_retries_with_more_tokens_then_fails() -> None:
+    clock = [0.0]
+    client, asked = _stream_server([[4], [4], [2, 30], [32]], clock)
+    per_step = asyncio.run(measure_decode(client, "http://x", "m", 2, 4, clock=lambda: clock[0]))
+    assert asked == [4, 4, 32, 32] and per_step == pytest.approx(0.300 / 30)
+    client, asked = _stream_server([[4], [32]], clock)
+    with pytest.raises(CoralInputError, match="one chunk, twice"):
+        asyncio.run(measure_decode(client, "http://x", "m", 1, 4, clock=lambda: clock[0]))

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from coral.catalog.loader import builtin_catalog
 from coral.report import build_report
 from coral.report.browser import chromium_binary, run_chromium
 from coral.report.examples import example_baseline, example_inputs, example_plan
@@ -16,10 +17,10 @@ from coral.report.examples import example_baseline, example_inputs, example_plan
 ARTIFACTS = Path(__file__).resolve().parents[1] / "artifacts"
 
 # Locally a missing browser skips; in CI (CI=true, .ci/install-browser ran) it must be there, so the tests run.
-pytestmark = pytest.mark.skipif(
+pytestmark = [pytest.mark.browser, pytest.mark.skipif(
     chromium_binary() is None and os.environ.get("CI") != "true",
     reason="Debian's chromium is not installed (CI installs it with .ci/install-browser)",
-)
+)]
 
 
 def money(v: float) -> str:
@@ -109,7 +110,10 @@ def test_slo_verdicts_method_runs_engines_and_time_series_are_drawn(tmp_path: Pa
     dom = run_chromium(path.as_uri(), dump_dom=True)
     verdicts = [r[k] for r in vm["slo"]["models"] for k in ("ttft_pass", "tpot_pass", "pass") if r[k] is not None]
     assert dom.count('class="badge pass"') == verdicts.count(True)
-    assert dom.count('class="badge fail"') == verdicts.count(False) + 1  # + the overall verdict (80% < 90%)
+    # + the overall verdict (80% < 90%) and homo's simulated attainment on its comparison card (85% < 90%)
+    assert dom.count('class="badge fail"') == verdicts.count(False) + 2
+    assert re.search(r'id="ratio-homo".*?<span class="attainment" data-value="0.85"[^>]*>85.0% within SLOs '
+                     r'<span class="badge fail">', dom, re.S)
     assert re.search(r'id="slo-overall"[^>]*data-value="0.8"', dom)
     assert len(re.findall(r'<tr data-method="[^"]+" data-how=', dom)) == 2
     groups = vm["instance_groups"]
@@ -120,3 +124,48 @@ def test_slo_verdicts_method_runs_engines_and_time_series_are_drawn(tmp_path: Pa
         assert f'id="ts-{key}"' in dom
     assert "another plan" in dom  # the fingerprint does not match the plan
     assert 'id="saving-homo"' in dom and "Where the saving comes from" in dom
+
+
+def test_threshold_attainment_engine_and_what_to_rent_as_rendered(tmp_path: Path) -> None:
+    """A vLLM plan checked against a 97 % target: the page states the engine, uses 97 % for every verdict and
+    caption, gives each baseline's attainment beside its cost, and opens with what to rent."""
+    from test_report_view import checked
+
+    from coral.deploy.bom import bill_of_materials
+
+    models = ["gpt-oss-20b", "phi-4", "qwen3-32b"]
+    plan = checked(example_plan(), dict.fromkeys(models, 0.99), 0.97, engine="vllm")
+    base = checked(example_baseline(), {"gpt-oss-20b": 0.99, "phi-4": 0.93, "qwen3-32b": 0.98}, 0.97)
+    path = tmp_path / "report.html"
+    path.write_text(build_report(plan, baselines=[base], sim=example_inputs()))
+    dom = run_chromium(path.as_uri(), dump_dom=True)
+
+    assert re.search(r'<h1 id="title" data-engine="vllm">Coral plan — core \(coral\) for stock vLLM</h1>', dom)
+    assert "<title>Coral plan — core (coral) for stock vLLM</title>" in dom
+    assert text_of(dom, "slo-target") == "97.0%"
+    captions = re.findall(r'<div class="(short|sub) within" data-value="([^"]+)" data-target="([^"]+)">([^<]+)<', dom)
+    assert len(captions) == 6 and {float(c[2]) for c in captions} == {0.97}
+    for cls, value, _, text in captions:
+        assert (cls == "short") == (float(value) < 0.97), text  # red exactly below the plan's target
+        assert text.endswith("SLO (target 97.0%)")
+    assert {c[0] for c in captions} == {"short", "sub"}  # the example has both sides of 97 %
+    card = re.search(r'id="ratio-homo"[^>]*>([^<]+)</div><div class="hint">(.*?)</div>', dom, re.S)
+    assert card and unescape(card.group(1)) == f"{base.cost_per_hour / plan.cost_per_hour:.2f}× cheaper"
+    hint = re.sub(r"<[^>]+>", "", unescape(card.group(2)))
+    served = min(x.served_fraction for x in base.serving)
+    assert hint == f"{money(base.cost_per_hour)} · 93.0% within SLOs fail · serves {100 * served:.1f}%"
+    assert re.search(r'<tr data-method="homo">.*?<td class="short" data-value="0.93"[^>]*>93.0%</td>', dom)
+
+    # what to rent: first section, numbers as in the bill of materials, total = the plan's cost
+    assert dom.index('id="bom"') < dom.index('id="slo"') < dom.index('class="kpis"')
+    bom = bill_of_materials(plan, builtin_catalog())
+    for r in bom.rows:
+        row = re.search(rf'<tr data-instance-type="{re.escape(r.instance_type)}" data-region="{r.region}">(.*?)</tr>',
+                        dom, re.S)
+        assert row, r.instance_type
+        cells = dict(re.findall(r'<td class="(count|each|total)"[^>]*>([^<]+)<', row.group(1)))
+        assert cells == {"count": str(r.count), "each": f"${r.price_per_hour:.4f}", "total": money(r.total_per_hour)}
+    total = re.search(r'id="bom-total" data-value="([^"]+)"><b>([^<]+)</b>', dom)
+    assert total and float(total.group(1)) == pytest.approx(plan.cost_per_hour)
+    assert total.group(2) == money(plan.cost_per_hour)
+    assert "The total equals the plan's cost" in text_of(dom, "bom-check")

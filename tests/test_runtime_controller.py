@@ -353,3 +353,79 @@ def test_coral_gateway_cli_over_static_endpoints(tmp_path):
             e.stop()
     bad = CliRunner().invoke(cli_app, ["gateway", "--endpoints", str(tmp_path / "missing.json")])
     assert bad.exit_code == 2 and "cannot read" in bad.output
+
+
+def test_controller_replans_when_the_market_changes(tmp_path, backend):
+    """`coral serve --market URL`: the controller plans in the market a loopback HTTP source publishes; when
+    every price in the region it uses rises ×5, the next read wakes it and it moves the instances to the other
+    region (started there, drained here). A source that stops answering keeps the last market."""
+    import json
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    import yaml
+
+    from coral.catalog.loader import builtin_catalog, load_scenario
+    from coral.cli.runtime import allocator_planner
+    from coral.runtime.market import MarketWatcher
+    from coral.templates.build import build_library
+
+    core = load_scenario("core")
+    sc = core.model_copy(update={"name": "phi", "models": [m for m in core.models if m.model == "phi-4"]})
+    scenario_file = tmp_path / "phi.yaml"
+    scenario_file.write_text(yaml.safe_dump(sc.model_dump(mode="json")))
+    out = tmp_path / "out"
+    out.mkdir()
+    build_library(sc, workers=1).save(out / "phi.templates.sqlite")
+    offers = [o.model_dump(mode="json") for o in builtin_catalog().offerings]
+    body = {"data": json.dumps({"schema_version": 1, "offerings": offers}).encode()}
+
+    class Market(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            if not body["data"]:
+                self.send_error(503)
+                return
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(body["data"])
+
+        def log_message(self, *args) -> None:  # type: ignore[no-untyped-def]
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Market)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}/market.json"
+    try:
+        store = Store(tmp_path / "state.sqlite")
+        watcher = MarketWatcher(url, sc, builtin_catalog(), poll_s=3600)
+        c = Controller(store, backend, Registry(), ready_timeout_s=10, interval_s=3600,
+                       planner=allocator_planner(str(scenario_file), store.plan, out=out, market=watcher))
+        watcher.on_change = c.trigger
+        c.start()
+
+        def regions(timeout_s: float = 30.0, differ_from: set[str] | None = None) -> set[str]:
+            deadline = time.monotonic() + timeout_s
+            while time.monotonic() < deadline:
+                plan = store.plan()
+                live = {inst.region for inst, state, _h in store.observed().values() if state == "ready"}
+                if plan is not None and live == {i.region for i in plan.instances} and live != differ_from:
+                    return live
+                time.sleep(0.05)
+            raise AssertionError("the controller did not settle")
+
+        first = regions()
+        assert len(first) == 1
+        cheap = first.pop()
+        for o in offers:
+            if o["region"] == cheap:
+                o["price_per_hour"] *= 5
+        body["data"] = json.dumps({"schema_version": 1, "offerings": offers}).encode()
+        assert watcher.poll() and watcher.changes == 1
+        moved = regions(differ_from={cheap})
+        assert cheap not in moved and len(moved) == 1
+        assert not watcher.poll()  # unchanged: no re-plan
+        body["data"] = b""
+        assert not watcher.poll() and "503" in watcher.error and watcher.changes == 1
+        c.stop()
+    finally:
+        server.shutdown()

@@ -127,8 +127,8 @@ def _stage(ctx: _Context, out: solver.Outcome, layout: core.Layout) -> _Stage:
 def _with_served(ctx: _Context, v: np.ndarray, layout: core.Layout, weights: np.ndarray) -> np.ndarray:
     """`v` with the max-min t and goodput's served fractions set from the capacity of its instances."""
     served = _stage(ctx, solver.Outcome("", v, None, None, None, 0.0, 0, 0), layout).served
-    for k, col in layout.served_col.items():
-        v[col] = served[k]
+    for col in set(layout.served_col.values()):
+        v[col] = min(float(served[k]) for k, c in layout.served_col.items() if c == col)
     if layout.t_col is not None:
         pos = ctx.demand > 0
         v[layout.t_col] = float(min(1.0, (served[pos] / weights[pos]).min(initial=1.0)))
@@ -167,11 +167,18 @@ def _solve_cost(ctx: _Context, fraction: float | np.ndarray, weights: np.ndarray
 
 def _solve_served(ctx: _Context, objective: Literal["maxmin", "goodput"], weights: np.ndarray,
                   floor: np.ndarray | None, time_limit: float, gap: float, prev: _Stage | None = None) -> _Stage:
-    """Max-min served fraction, or max weighted tokens/s served with per-key floors; warm-started from `prev`
-    or the water-filling plan (`core.water_fill`), whichever is better, and from the LP optimum rounded down
-    and water-filled (the solver's rounder)."""
+    """Max-min served fraction, or the SLO goodput: max the priority-weighted generated tokens/s served (prompt
+    tokens/s for a model with no decode demand), one served fraction per model for both its phases (a request
+    needs both), with per-key floors; warm-started
+    from `prev` or the water-filling plan (`core.water_fill`), whichever is better, and from the LP optimum
+    rounded down and water-filled (the solver's rounder)."""
+    models = sorted({m for m, _p in ctx.keys})
+    group = np.array([models.index(m) for m, _p in ctx.keys])
+    decoding = {m for (m, p), d in zip(ctx.keys, ctx.demand, strict=True) if p == Phase.DECODE and d > 0}
+    counts = np.array([p == Phase.DECODE or m not in decoding for m, p in ctx.keys])  # prompts where none decode
+    gain = weights * ctx.demand * counts / max(float((ctx.demand * counts).sum()), 1e-12)
     problem, layout = core.assemble(ctx.cols, ctx.market, ctx.demand, penalty_k=None, objective=objective,
-                                    weights=weights, min_fraction=floor)
+                                    weights=weights, min_fraction=floor, served_group=group, gain=gain)
     start = _start(ctx, problem, layout, None, prev, weights)
 
     def rounder(lp_x: np.ndarray) -> np.ndarray | None:
@@ -294,8 +301,9 @@ def allocate(
 
     Modes (w = priority / max priority): "cost" minimises $/h + scale-up penalty and raises `InfeasibleDemand`
     when demand cannot be met; "goodput" (for scarcity) finds the largest uniform served fraction t (capacity ≥
-    t·w·D, t ≤ 1), then maximises the SLO goodput Σ w·served tokens/s with every key served at least
-    `fairness`·t·w of its demand, then minimises cost at what each key got; "maxmin" maximises t and then
+    t·w·D, t ≤ 1), then maximises the SLO goodput (Σ w · generated tokens/s served, one served fraction per
+    model for both phases, `_solve_served`) with every key served at least `fairness`·t·w of its demand, then
+    minimises cost at what each key got; "maxmin" maximises t and then
     minimises cost at t; "scaled" scales all demand by the largest multiple of `scale_step` that is feasible
     (the paper's protocol) and minimises cost there. With `running` (a previous plan or {(template id, region):
     count}), starting an instance costs K·price extra (K = scenario.init_penalty_k).

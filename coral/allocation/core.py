@@ -232,12 +232,16 @@ def assemble(
     objective: Literal["cost", "maxmin", "goodput"] = "cost",
     weights: np.ndarray | None = None,
     min_fraction: float | np.ndarray | None = None,
+    served_group: np.ndarray | None = None,
+    gain: np.ndarray | None = None,
 ) -> tuple[Problem, Layout]:
     """The MILP of `cols` (w = `weights`, default 1; `min_fraction` a number or one per key, default 1):
     "cost" min $/h (+ scale-up penalty; `penalty_k` None disables it) with capacity ≥ min_fraction·w·D;
-    "maxmin" max t ≤ 1 with capacity ≥ t·w·D; "goodput" max the weighted tokens/s served Σ w·f·D / Σ D over
-    served fractions f_k ∈ [min_fraction_k, 1] with capacity ≥ f_k·D (a key's floor row f_k ≥ min_fraction_k
-    is feasible by the phase-one pricing of the solver whenever some solution is).
+    "maxmin" max t ≤ 1 with capacity ≥ t·w·D; "goodput" max Σ gain_k·f_k (default gain w·D / Σ D: the weighted
+    tokens/s served) over served fractions f ∈ [min_fraction, 1] with capacity ≥ f·D, one f per group of
+    keys (`served_group`, e.g. a model's prefill and decode: a request needs both; default one per key). A
+    group's floor row f ≥ max min_fraction of its keys is feasible by the phase-one pricing of the solver
+    whenever some solution is.
 
     A key with request classes (`cols.split`) has one demand row per class, and every column j of it a share
     variable s_jc ≥ 0 per class it can run (T_jc > 0): Σ_c s_jc ≤ x_j and Σ_j T_jc s_jc ≥ split_c·D."""
@@ -250,9 +254,14 @@ def assemble(
     keys = [k for k in range(len(demand)) if demand[k] > 0]
     items = [(k, c) for k in keys for c in (range(len(cols.split[k])) if k in cols.split else [-1])]
     t_col = n + n_pen if objective == "maxmin" else None
-    served_col = {k: n + n_pen + i for i, k in enumerate(keys)} if objective == "goodput" else {}
+    served_col: dict[int, int] = {}
+    if objective == "goodput":
+        group_of = np.arange(len(demand)) if served_group is None else np.asarray(served_group)
+        first = {g: i for i, g in enumerate(dict.fromkeys(int(group_of[k]) for k in keys))}
+        served_col = {k: n + n_pen + first[int(group_of[k])] for k in keys}
+    n_served = len(set(served_col.values()))
     n_slack = 0 if maxmin else len(items)
-    share_start = n + n_pen + (1 if t_col is not None else 0) + len(served_col) + n_slack
+    share_start = n + n_pen + (1 if t_col is not None else 0) + n_served + n_slack
     on_class = np.isin(cols.key, list(cols.split)) if cols.split else np.zeros(n, dtype=bool)
     if cols.class_thr is not None:
         share_parent, share_class = np.nonzero((cols.class_thr > 0) & on_class[:, None])
@@ -300,11 +309,14 @@ def assemble(
             lower.append(float(target[k] * frac))
             item_target.append(float(target[k] * frac))
         upper.append(np.inf)
-    for k, col in served_col.items():  # f_k ≥ its floor
+    group_floor: dict[int, float] = {}
+    for k, col in served_col.items():
+        group_floor[col] = max(group_floor.get(col, 0.0), float(min(floor[k], 1.0)))
+    for col, least in group_floor.items():  # f ≥ its floor
         er.append(np.array([len(lower)]))
         ec.append(np.array([col]))
         ev.append(np.array([1.0]))
-        lower.append(float(min(floor[k], 1.0)))
+        lower.append(least)
         upper.append(np.inf)
     avail_row0 = len(lower)
     avail_rows: list[tuple[int, int]] = []
@@ -373,9 +385,10 @@ def assemble(
     elif t_col is not None:
         cost[t_col], ub[t_col], protected[t_col] = -1.0, 1.0, True
     else:
-        served = np.array(list(served_col.values()), dtype=np.int64)
-        cost[served] = -weights[keys] * demand[keys] / max(float(demand[keys].sum()), 1e-12)
-        ub[served], protected[served] = 1.0, True
+        per_key = gain if gain is not None else weights * demand / max(float(demand[keys].sum()), 1e-12)
+        for k, col in served_col.items():
+            cost[col] -= per_key[k]
+            ub[col], protected[col] = 1.0, True
     ub[share_start:] = ub[share_parent]
     group[share_start:] = group[share_parent]
     entry_row = np.concatenate(er) if er else np.zeros(0, dtype=np.int64)

@@ -178,6 +178,10 @@ class Plan(_PlanModel):
         default="coral", description="engine the plan was restricted to: coral runs every template, vllm only "
         "what stock vLLM launches"
     )
+    target: Literal["skypilot", "kubernetes", "commands"] | None = Field(
+        default=None, description="`coral deploy` target the plan was restricted to (`--target`, with engine vllm): "
+        "made only of templates that target launches; None: no target"
+    )
     demand_scale: float = Field(default=1.0, gt=0, description="uniform demand scale the plan was solved at")
     instances: list[PlanInstance]
     request_classes: dict[str, list[PlanClass]] = Field(

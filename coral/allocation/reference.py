@@ -20,6 +20,7 @@ from coral.allocation.classes import class_ratings, demand_split, model_classes
 from coral.allocation.demand import DemandKey
 from coral.catalog.loader import Catalog, market_catalog
 from coral.catalog.schema import Scenario
+from coral.perf.model import Phase
 from coral.templates.library import TemplateLibrary
 from coral.templates.placement import all_placements
 
@@ -69,8 +70,10 @@ def plain_solve(library: TemplateLibrary, scenario: Scenario, availability: Mapp
     start; HiGHS at gap 1e-9. `demand`: capacity to plan per (model, phase) (default: the scenario's).
 
     Objectives: "cost" min $/h with capacity ≥ fraction · D per key (`fraction` a number or per key); "maxmin"
-    max t ≤ 1 with capacity ≥ t · w · D (the result's objective is −t); "goodput" max Σ w · f · D over served
-    fractions f ∈ [fraction, 1] per key with capacity ≥ f · D (objective −Σ w f D). `weights` default 1."""
+    max t ≤ 1 with capacity ≥ t · w · D (the result's objective is −t); "goodput" max Σ w · f · D_decode over
+    served fractions f ∈ [fraction, 1], one per model, with capacity ≥ f · D in both phases (objective
+    −Σ w f D_decode: generated tokens/s served; D_prefill for a model with no decode demand). `weights` default
+    1."""
     from coral.allocation.allocator import _keys_and_demand
 
     catalog = catalog or market_catalog(scenario)
@@ -101,20 +104,23 @@ def plain_solve(library: TemplateLibrary, scenario: Scenario, availability: Mapp
         parts.append((key, np.concatenate(idx_all), np.concatenate(rat_all), d * demand_split(cls, phase)))
     n_int = len(ints)
     n_share = sum(len(i) * len(dem) for _, i, _, dem in parts if len(dem) > 1)
-    n_served = 0 if objective == "cost" else 1 if objective == "maxmin" else len(parts)
+    model_of = {m: i for i, m in enumerate(dict.fromkeys(key[0] for key, *_ in parts))}
+    decoding = {key[0] for key, *_ in parts if key[1] == Phase.DECODE}
+    n_served = 0 if objective == "cost" else 1 if objective == "maxmin" else len(model_of)
     n = n_int + n_share + n_served
     full_cost = np.concatenate([np.array(cost), np.zeros(n - n_int)]) if objective == "cost" else np.zeros(n)
     low, high = np.zeros(n), np.full(n, np.inf)
     high[:n_int] = 1e4
     rows_ = milp.SparseRows(n)
     nxt = n_int
-    for i, (key, idx, ratings, dem) in enumerate(parts):
+    for key, idx, ratings, dem in parts:
         w = 1.0 if weights is None else float(weights.get(key, 1.0))
         f = fraction if isinstance(fraction, float | int) else float(fraction.get(key, 1.0))
-        served = n_int + n_share + (0 if objective == "maxmin" else i)
+        served = n_int + n_share + (0 if objective == "maxmin" else model_of[key[0]])
         if objective == "goodput":
-            full_cost[served] -= w * float(dem.sum())
-            low[served], high[served] = min(float(f), 1.0), 1.0
+            counts = key[1] == Phase.DECODE or key[0] not in decoding  # prompt tokens where nothing is generated
+            full_cost[served] -= w * float(dem.sum()) if counts else 0.0
+            low[served], high[served] = max(low[served], min(float(f), 1.0)), 1.0
         elif objective == "maxmin":
             full_cost[served], high[served] = -1.0, 1.0
         scale = w if objective == "maxmin" else 1.0

@@ -1,8 +1,15 @@
-"""Helpers shared by the CLI modules: console, error reporting, default paths."""
+"""Helpers shared by the CLI modules: consoles, JSON output, error reporting, default paths.
+
+Command modules import only this, typer and rich at module level; every stage package (numpy, the allocator,
+the simulator, the runtime) is imported inside the command that needs it, so that `coral --help` is quick."""
 
 from __future__ import annotations
 
 import functools
+import json
+import math
+import os
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -13,8 +20,26 @@ from rich.console import Console
 from coral.catalog.loader import Catalog, CoralInputError, load_offerings, load_scenario, market_catalog
 from coral.catalog.schema import Scenario
 
-console = Console()
-err_console = Console(stderr=True)
+#: columns of output that goes to no terminal (a pipe, a file, a test) when COLUMNS is unset: wide enough that
+#: tables keep model and instance names on one line
+PIPE_WIDTH = 160
+
+
+def _width() -> int | None:
+    """None (rich's own choice: COLUMNS, else the terminal's width) when either is there, else PIPE_WIDTH."""
+    if os.environ.get("COLUMNS"):
+        return None
+    for fd in (0, 1, 2):
+        try:
+            os.get_terminal_size(fd)
+        except OSError:
+            continue
+        return None
+    return PIPE_WIDTH
+
+
+console = Console(width=_width())
+err_console = Console(stderr=True, width=_width())
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -38,6 +63,35 @@ def friendly_errors(fn: F) -> F:
 ENGINE_HELP = "engine the plan must run on: coral (every template) | vllm (only what stock vLLM launches)"
 OFFERINGS_HELP = ("offerings file (the schema of coral/data/offerings.yaml) replacing the market: prices, instance "
                   "types, regions (default: the scenario's `offerings` file, else the shipped one)")
+
+
+def out_console(as_json: bool) -> Console:
+    """Where a command's human output goes: stderr when its result goes to stdout as JSON (`--json`)."""
+    return err_console if as_json else console
+
+
+def print_json(document: Any) -> None:
+    """Write `document` to stdout as one strict JSON document: no markup; paths as strings, numpy numbers as
+    numbers, infinite or NaN numbers as null."""
+    sys.stdout.write(json.dumps(_plain(document), indent=2, allow_nan=False) + "\n")
+    sys.stdout.flush()
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    if isinstance(value, Path):
+        return str(value)
+    if hasattr(value, "item"):  # numpy scalar
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+JSON_HELP = "print the result as one JSON document on stdout (progress and notes go to stderr)"
 
 
 def scenario_and_market(scenario: str, offerings: Path | None) -> tuple[Scenario, Catalog]:

@@ -11,8 +11,6 @@ import yaml
 
 from coral.catalog.loader import CoralInputError, builtin_catalog, model_from_hf_config, user_models_dir
 from coral.cli.common import console, friendly_errors
-from coral.perf import RooflineModel
-from coral.report.terminal import FoldingTable
 
 models_app = typer.Typer(help="Model catalogue.", no_args_is_help=True)
 
@@ -25,10 +23,13 @@ def register(app: typer.Typer) -> None:
 @friendly_errors
 def list_cmd() -> None:
     """Known models with their size and architecture."""
+    from coral.perf import RooflineModel
+    from coral.report.terminal import FoldingTable
+
     pm = RooflineModel()
     t = FoldingTable(title="Models")
     for col in ("name", "layers", "weights GB", "active B params", "MoE", "hybrid attn", "Hugging Face id"):
-        t.add_column(col)
+        t.add_column(col, no_wrap=col == "name", optional=col in ("MoE", "hybrid attn"))
     for m in builtin_catalog().models.values():
         sh = pm.shape(m)
         t.add_row(m.name, str(m.num_hidden_layers), f"{sh.model_bytes / 1e9:.1f}",

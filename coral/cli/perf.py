@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shlex
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 import yaml
@@ -12,16 +13,9 @@ from coral import vllm_cpu
 from coral.catalog.loader import CoralInputError, builtin_catalog, data_path
 from coral.catalog.schema import parse_config_name
 from coral.cli.common import console, friendly_errors
-from coral.perf import PerfParams, Phase, RooflineModel, Workload
-from coral.perf.measured import (
-    EFFICIENCY_BOUNDS,
-    MeasuredModel,
-    ProfileSet,
-    calibrate,
-    error_summary,
-    relative_errors,
-)
-from coral.report.terminal import FoldingTable
+
+if TYPE_CHECKING:
+    from coral.perf import Phase
 
 perf_app = typer.Typer(help="Performance model: throughput tables and calibration.", no_args_is_help=True)
 
@@ -31,6 +25,8 @@ def register(app: typer.Typer) -> None:
 
 
 def _phase(value: str) -> Phase:
+    from coral.perf import Phase
+
     try:
         return Phase(value)
     except ValueError:
@@ -51,6 +47,10 @@ def table_cmd(
     every: int = typer.Option(4, min=1, help="print every n-th layer count"),
 ) -> None:
     """Throughput (tokens/s) and batch of one node holding j layers under a per-stage budget."""
+    from coral.perf import RooflineModel, Workload
+    from coral.perf.measured import MeasuredModel
+    from coral.report.terminal import FoldingTable
+
     cat = builtin_catalog()
     arch, node = cat.model(model), cat.node_config(config)
     pm = MeasuredModel.from_folder(profiles) if profiles else RooflineModel()
@@ -82,6 +82,10 @@ def calibrate_cmd(
     warn_worst: float = typer.Option(0.25, min=0, help="warn when a config/phase's worst |error| exceeds this"),
 ) -> None:
     """Fit per-GPU efficiency factors to measured per-layer profiles and write a parameter file."""
+    from coral.perf import PerfParams, RooflineModel, Workload
+    from coral.perf.measured import EFFICIENCY_BOUNDS, ProfileSet, calibrate, error_summary, relative_errors
+    from coral.report.terminal import FoldingTable
+
     folder = profiles or data_path("profiles", "helix-llama2-70b")
     mapping = {}
     for item in folder_map:

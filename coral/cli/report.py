@@ -6,14 +6,7 @@ from pathlib import Path
 
 import typer
 
-from coral.allocation.plan import Plan
 from coral.cli.common import DEFAULT_OUT, console, friendly_errors
-from coral.report.adapters import load_inputs
-from coral.report.browser import run_chromium
-from coral.report.html import build_report
-from coral.report.inputs import ReportInputs
-from coral.report.terminal import print_comparison, print_inputs, print_plan
-from coral.report.view import mismatch_notes
 
 
 @friendly_errors
@@ -38,6 +31,14 @@ def report(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Only print where the report went."),
 ) -> None:
     """Write a self-contained HTML report (open it in any browser, no network needed) and print the plan."""
+    from coral.allocation.plan import Plan
+    from coral.report.adapters import load_inputs
+    from coral.report.browser import run_chromium
+    from coral.report.html import build_report
+    from coral.report.inputs import ReportInputs
+    from coral.report.terminal import print_comparison, print_inputs, print_plan
+    from coral.report.view import mismatch_notes
+
     if example:
         from coral.report.examples import example_baseline, example_inputs, example_plan
 

@@ -4,22 +4,30 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
+from rich.console import Console
 from rich.status import Status
 
 from coral.catalog.loader import CoralInputError
 from coral.cli.common import (
     DEFAULT_OUT,
     ENGINE_HELP,
+    JSON_HELP,
     OFFERINGS_HELP,
-    console,
     friendly_errors,
+    out_console,
+    print_json,
     scenario_and_market,
 )
-from coral.perf.model import Phase
-from coral.report.terminal import FoldingTable
+from coral.cli.deploy import TARGET_HELP
+
+if TYPE_CHECKING:
+    from coral.allocation.plan import Plan
+    from coral.planning.slo_search import Attainment, Evaluator
 
 #: seconds before an instance a re-plan starts serves (the simulator's default)
 STARTUP_DELAY_S = 300.0
@@ -42,6 +50,8 @@ def run_cmd(
         "searched", help="searched: each baseline gets its own SLO search (equal attainment) | same-headroom: "
         "baselines planned once with Coral's headroom (faster, unequal attainment) | none"),
     offerings: Path | None = typer.Option(None, help=OFFERINGS_HELP),
+    target: str | None = typer.Option(None, help=TARGET_HELP),
+    as_json: bool = typer.Option(False, "--json", help=JSON_HELP),
 ) -> None:
     """Build (or load) the template library; find with the simulator in the loop the cheapest Coral plan (and
     baseline plans) meeting every model's SLO-attainment target on the tuning requests; score each on held-out
@@ -52,11 +62,12 @@ def run_cmd(
     from coral.allocation.availability import resolve_availability
     from coral.allocation.demand import run_length_s
     from coral.allocation.forecast import DemandForecaster, LatencyCorrection
+    from coral.perf.model import Phase
     from coral.planning import SearchSettings, allocator_planner, search_plan
     from coral.planning.slo_search import score, simulator_evaluator, with_traffic
     from coral.report import build_report
     from coral.report.adapters import inputs_from_sim, method_result
-    from coral.report.terminal import print_comparison, print_plan
+    from coral.report.terminal import FoldingTable, print_comparison, print_plan
     from coral.report.view import plan_fingerprint
     from coral.simulation.replan import allocator_replanner
     from coral.simulation.run import simulate
@@ -67,12 +78,15 @@ def run_cmd(
     if baselines not in ("searched", "same-headroom", "none"):
         raise CoralInputError(f"--baselines: must be searched, same-headroom or none, not {baselines!r}")
     t_start = time.perf_counter()
+    console = out_console(as_json)
     sc, cat = scenario_and_market(scenario, offerings)
     folder = out / f"run-{sc.name}"
     folder.mkdir(parents=True, exist_ok=True)
     for note in stand_in_notes(sc):
         console.print(f"[yellow]note:[/] {note}")
-    lib = engine_library(load_library(scenario, out, cat), engine, cat)
+    engine = "vllm" if target else engine  # every deploy target launches stock vLLM
+    lib = engine_library(load_library(scenario, out, cat), engine, cat, target)
+    t_lib = time.perf_counter()
     console.print(f"library: {len(lib):,} templates for {len(lib.keys())} (model, phase) pairs")
     avail = resolve_availability(sc, lib, cat)
     settings = SearchSettings(duration_s=duration, time_budget_s=budget)
@@ -87,13 +101,9 @@ def run_cmd(
         if name != "coral" and baselines == "same-headroom":
             continue
         with console.status(f"{name}: searching for the cheapest plan meeting every SLO target") as status:
-
-            def show(line: str, name: str = name, status: Status = status) -> None:
-                status.update(f"{name}: {line}")
-                console.print(f"  {name} {line}")
-
+            watch = SearchStatus(name, status, console, evaluate)
             result = search_plan(allocator_planner(lib, sc, avail, cat, method=method), sc, settings,
-                                 catalog=cat, evaluate=evaluate, progress=show)
+                                 catalog=cat, evaluate=watch.evaluate, progress=watch.show)
         if result.plan is None:
             raise CoralInputError(f"{name}: no plan in any round of the search: "
                                   + "; ".join(r.note for r in result.rounds if r.note))
@@ -103,6 +113,7 @@ def run_cmd(
                       f"${result.plan.cost_per_hour:,.2f}/h")
     plan = plans["coral"]
     plan.engine = engine  # type: ignore[assignment]  # checked by engine_library
+    plan.target = target  # type: ignore[assignment]  # checked by engine_library
     assert plan.slo is not None
     duration_s = plan.slo.duration_s
     room = {(s.model, Phase(s.phase)): s.headroom or 1.0 for s in plan.serving}
@@ -110,11 +121,13 @@ def run_cmd(
         traffic = {(s.model, Phase(s.phase)): s.traffic_tokens_s or 0.0 for s in plan.serving}
         demand = {k: v * room[k] for k, v in traffic.items()}
         for name in ("homo-greedy", "cauchy-paper"):
-            p = with_traffic(methods[name](lib, sc, demand=demand, availability=avail, catalog=cat), traffic)
-            p.slo = score(p, sc, settings, duration_s, {}, room,
-                          evaluate=evaluate)
+            with console.status(f"{name}: planning with Coral's headroom, scoring on "
+                                f"{len(settings.held_out_seeds)} held-out request sets"):
+                p = with_traffic(methods[name](lib, sc, demand=demand, availability=avail, catalog=cat), traffic)
+                p.slo = score(p, sc, settings, duration_s, {}, room, evaluate=evaluate)
             plans[name] = p
     others = [p for name, p in plans.items() if name != "coral"]
+    t_search = time.perf_counter()
     print_plan(plan, console)
     print_comparison(plan, others, console)
     for p in plans.values():
@@ -131,32 +144,37 @@ def run_cmd(
                        catalog=cat)
     sim.plan_fingerprint = plan_fingerprint(plan)  # the run starts from this plan, then re-plans
     sim.save_json(folder / "sim.json")
-    sim.plots(folder)
     fixed = []
-    for p in plans.values():
-        with console.status(f"simulating the {p.method} plan held fixed"):
+    for i, p in enumerate(plans.values(), 1):
+        with console.status(f"simulating the {p.method} plan held fixed ({i} of {len(plans)}) on the same "
+                            f"{sum(len(r) for r in requests.values()):,} requests"):
             run = simulate(p, sc, requests, duration_s=duration_s, seed=seed, catalog=cat)
         run.plan_fingerprint = plan_fingerprint(p)
         run.save_json(folder / f"sim.fixed.{p.method}.json")
         fixed.append(method_result(run, p.method, "plan held fixed"))
     inputs = inputs_from_sim(sim, sc, plan.method)
     inputs.methods = [method_result(sim, plan.method, f"re-planned every {sc.epoch_minutes:g} min, forecast"), *fixed]
-    (folder / "report-inputs.json").write_text(inputs.model_dump_json(indent=1))
-    report = folder / "report.html"
-    report.write_text(build_report(plan, baselines=others, sim=inputs))
+    t_sim = time.perf_counter()
+    with console.status("writing plots and the HTML report"):
+        sim.plots(folder)
+        (folder / "report-inputs.json").write_text(inputs.model_dump_json(indent=1))
+        report = folder / "report.html"
+        report.write_text(build_report(plan, baselines=others, sim=inputs))
+    t_report = time.perf_counter()
 
     attainment = FoldingTable(title=f"SLO attainment on held-out requests (seed {seed}, {duration_s:.0f} s)")
     for col in ("method", "run", *(m.model for m in sim.models), "all", "cost $/h"):
-        attainment.add_column(col, justify="left" if col in ("method", "run") else "right")
+        attainment.add_column(col, justify="left" if col in ("method", "run") else "right", no_wrap=col == "method")
     for r in inputs.methods:
         attainment.add_row(r.method, r.how, *(f"{r.by_model.get(m.model, 0.0):.1%}" for m in sim.models),
                            f"{r.slo_attainment:.1%}", f"{r.cost_per_hour:,.2f}")
     console.print(attainment)
     verdicts = FoldingTable(title=f"Verdict per model: Coral's plan, ${plan.cost_per_hour:,.2f}/h")
     for col in ("model", "target", "tuned (cautious)", "held-out", "worst held-out set", "verdict"):
-        verdicts.add_column(col, justify="left" if col in ("model", "verdict") else "right")
-    for m, target in plan.slo.target.items():
-        verdicts.add_row(m, f"{target:.1%}", f"{plan.slo.tuned.get(m, 0.0):.1%}",
+        verdicts.add_column(col, justify="left" if col in ("model", "verdict") else "right", no_wrap=col == "model",
+                            optional=col in ("tuned (cautious)", "worst held-out set"))
+    for m, goal in plan.slo.target.items():
+        verdicts.add_row(m, f"{goal:.1%}", f"{plan.slo.tuned.get(m, 0.0):.1%}",
                          f"{plan.slo.held_out.get(m, 0.0):.1%}", f"{plan.slo.held_out_worst.get(m, 0.0):.1%}",
                          "pass" if plan.slo.passed(m) else plan.slo.verdict.get(m, ""))
     console.print(verdicts)
@@ -177,8 +195,38 @@ def run_cmd(
     met = all(plan.slo.passed(m) for m in plan.slo.target)
     console.print(("[green]every model meets its SLO target[/]" if met else
                    "[red]not every model meets its SLO target (see the verdicts)[/]") +
-                  f" on held-out requests: Coral ${plan.cost_per_hour:,.2f}/h vs " + ", ".join(
-                      f"{p.method} ${p.cost_per_hour:,.2f}/h" for p in others) +
-                  f"; whole run {time.perf_counter() - t_start:.0f} s")
+                  f" on held-out requests: Coral ${plan.cost_per_hour:,.2f}/h" + "".join(
+                      f"{', ' if i else ' vs '}{p.method} ${p.cost_per_hour:,.2f}/h" for i, p in enumerate(others)))
+    console.print(f"time: {time.perf_counter() - t_start:.0f} s end to end (scenario and library load "
+                  f"{t_lib - t_start:.1f} s, SLO searches {t_search - t_lib:.1f} s, held-out simulations "
+                  f"{t_sim - t_search:.1f} s, plots and report {t_report - t_sim:.1f} s)")
     console.print(f"wrote [bold]{report}[/] and plans, sim*.json, report-inputs.json, plots, summary.json in "
                   f"{folder}")
+    if as_json:
+        print_json({**summary, "folder": str(folder), "report": str(report)})
+
+
+class SearchStatus:
+    """Keeps one method's SLO search visible: each finished round printed, and the status line saying what
+    runs now (the round or the held-out scoring, the request set being simulated, seconds so far)."""
+
+    def __init__(self, name: str, status: Status, console: Console, evaluate: Evaluator) -> None:
+        self.name, self.status, self.console, self.inner = name, status, console, evaluate
+        self.stage = "round 1"
+        self.t0 = time.perf_counter()
+
+    def show(self, line: str) -> None:
+        """The search's progress callback: a round's result, or the start of the held-out scoring."""
+        self.console.print(f"  {self.name} {line}")
+        if line.startswith("round "):
+            self.stage = f"round {int(line.split()[1].rstrip(':')) + 1}"
+        elif line.startswith("scoring"):
+            self.stage = "held-out scoring"
+        self.status.update(f"{self.name}: {line}")
+
+    def evaluate(self, plan: Plan, seed: int, share: float) -> Mapping[str, Attainment]:
+        """The shared evaluator, saying which plan and request set it simulates."""
+        self.status.update(f"{self.name} {self.stage}: simulating the ${plan.cost_per_hour:,.2f}/h plan on request "
+                           f"set {seed}{'' if share == 1.0 else f' ({share:.0%} of it)'} "
+                           f"({time.perf_counter() - self.t0:.0f} s so far)")
+        return self.inner(plan, seed, share)

@@ -6,29 +6,27 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-import httpx
 import typer
-from fastapi import FastAPI
 from rich.table import Column, Table
 
-from coral.allocation.plan import Plan
 from coral.catalog.loader import CoralInputError, load_scenario
-from coral.catalog.schema import Scenario
-from coral.cli.common import DEFAULT_OUT, console, friendly_errors, library_path
-from coral.deploy.endpoints import EndpointsFile
-from coral.report.dashboard import make_router
-from coral.runtime.backends import Backend, EmulatedBackend, VllmProcessBackend
-from coral.runtime.controller import Controller, Store, controller_router, runtime_state_provider
-from coral.runtime.gateway import GatewayConfig, create_gateway_app, load_secrets
-from coral.runtime.registry import Endpoint, InstanceState, Registry
-from coral.runtime.server import DrainingServer, server_config
-from coral.runtime.traffic import TrafficMeter
-from coral.simulation.engine import ObservedDemand
+from coral.cli.common import DEFAULT_OUT, JSON_HELP, console, friendly_errors, library_path, print_json
 
 if TYPE_CHECKING:
+    from fastapi import FastAPI
+
+    from coral.allocation.plan import Plan
+    from coral.catalog.schema import Scenario
+    from coral.deploy.endpoints import EndpointsFile
+    from coral.runtime.backends import Backend, EmulatedBackend, VllmProcessBackend
+    from coral.runtime.controller import Controller, Store
     from coral.runtime.coral_backend import CoralEngineBackend
+    from coral.runtime.gateway import GatewayConfig
+    from coral.runtime.market import MarketWatcher
+    from coral.runtime.registry import Registry
+    from coral.simulation.engine import ObservedDemand
 
 DEFAULT_URL = "http://127.0.0.1:8080"
 API_KEYS_ENV = "CORAL_API_KEYS"
@@ -52,6 +50,8 @@ def access_config(
 ) -> GatewayConfig:
     """`config` with the API keys, read-only and admin tokens and rate limit; warns (never printing a key) when
     exposed without keys."""
+    from coral.runtime.gateway import load_secrets
+
     keys = load_secrets(API_KEYS_ENV, keys_file)
     if not keys and host not in ("127.0.0.1", "localhost", "::1"):
         console.print(f"[yellow]warning:[/] {host} is reachable from other hosts and no API key is set")
@@ -78,6 +78,8 @@ def token_timeouts(scenario: Scenario, factor: float) -> dict[str, float]:
 
 def run_server(app: FastAPI, host: str, port: int, grace_s: float) -> None:
     """Serve `app` until SIGTERM/SIGINT, then drain for at most `grace_s` (a second signal: at once)."""
+    from coral.runtime.server import DrainingServer, server_config
+
     DrainingServer(server_config(app, host, port, grace_s=grace_s)).run()
 
 
@@ -87,6 +89,7 @@ def allocator_planner(
     out: Path = DEFAULT_OUT,
     observe: Callable[[], ObservedDemand] | None = None,
     interval_s: float = 60.0,
+    market: MarketWatcher | None = None,
 ) -> Callable[[], Plan]:
     """Planner running the allocator on the scenario's template library (built by `coral templates build`),
     warm from the `running` plan so unchanged instances are kept. Without `observe` it plans the scenario's
@@ -94,7 +97,8 @@ def allocator_planner(
     each call re-plans for the forecast of the coming interval's traffic × the scenario's headroom × the
     latency correction (`coral.allocation.forecast`), holding (model, phase)s already within 25 % above it and
     keeping at least one instance of each, idle or not (`coral.simulation.replan.allocator_replanner`, the
-    re-planner the simulator measures)."""
+    re-planner the simulator measures). With `market`, every plan is made in the market it last published
+    (offerings, prices and availability: `coral.runtime.market`)."""
     from coral.templates.library import TemplateLibrary
 
     try:
@@ -111,12 +115,17 @@ def allocator_planner(
         )
     library = TemplateLibrary.load(path)
     if observe is None:
-        return lambda: allocate(library, scenario, running=running())
+        def once() -> Plan:
+            avail = market.snapshot.availability if market is not None else None
+            return allocate(library, scenario, running=running(), availability=avail,
+                            catalog=market.catalog() if market is not None else None)
+
+        return once
     replan = allocator_replanner(library, scenario, forecaster=DemandForecaster(interval_s),
                                  correction=LatencyCorrection.for_scenario(scenario), hold=0.25, floor_tokens_s=1.0)
 
     def plan() -> Plan:
-        observed = observe()
+        observed = observe() if market is None else market.apply(observe())
         return replan(observed.epoch, observed, running())
 
     return plan
@@ -124,6 +133,8 @@ def allocator_planner(
 
 def static_registry(spec: EndpointsFile) -> Registry:
     """A registry of ready endpoints from an endpoints file (health checks take unreachable ones out)."""
+    from coral.runtime.registry import Endpoint, InstanceState, Registry
+
     registry = Registry(classes=spec.request_classes)
     for e in spec.endpoints:
         registry.add(Endpoint(e.id, e.model, e.phase, e.url, e.weight, InstanceState.READY,
@@ -142,6 +153,11 @@ def build_runtime(
 ) -> tuple[FastAPI, Controller]:
     """Gateway app with the controller API (`/state`, `/replan`; `admin_token` guards `/replan`) and dashboard
     mounted, and its controller. The gateway sends the engines the store's `engine_token`."""
+    from coral.report.dashboard import make_router
+    from coral.runtime.controller import Controller, controller_router, runtime_state_provider
+    from coral.runtime.gateway import GatewayConfig, create_gateway_app
+    from coral.runtime.registry import Registry
+
     registry = Registry()
     controller = Controller(store, backend, registry, planner, interval_s=interval_s, ready_timeout_s=ready_timeout_s)
     config = replace(config or GatewayConfig(), upstream_api_key=store.engine_token())
@@ -152,13 +168,32 @@ def build_runtime(
     return app, controller
 
 
+#: what `coral status --json` keeps of each instance and action of the controller's /state
+INSTANCE_FIELDS = ("id", "model", "phase", "region", "state", "healthy", "inflight", "served", "failed", "target_share",
+                   "observed_share")
+ACTION_FIELDS = ("seq", "kind", "instance_id", "status", "detail")
+
+
+def status_summary(state: dict[str, Any]) -> dict[str, Any]:
+    """What `coral status` shows, as data: the plan (scenario, method, instances, $/h), each instance, the ten
+    latest actions and the controller's last error."""
+    plan = state.get("plan")
+    return {
+        "plan": {"scenario": plan["scenario"], "method": plan["method"], "instances": len(plan["instances"]),
+                 "cost_per_hour": plan["cost_per_hour"]} if plan else None,
+        "instances": [{k: i.get(k) for k in INSTANCE_FIELDS} for i in state["instances"]],
+        "actions": [{k: a.get(k) for k in ACTION_FIELDS} for a in state["actions"][:10]],
+        "last_error": state.get("last_error"),
+    }
+
+
 def register(app: typer.Typer) -> None:
     """Add `serve` and `status` to `app`."""
 
     @app.command("serve")
     @friendly_errors
     def serve(
-        scenario: str = typer.Argument(..., help="scenario name or file"),
+        scenario: str = typer.Argument("core", help="built-in scenario name or scenario YAML"),
         backend: str = typer.Option(
             "emulated",
             help="emulated | vllm (local `vllm serve` per single-node instance) | coral (the Coral pipeline "
@@ -171,6 +206,11 @@ def register(app: typer.Typer) -> None:
         port: int = typer.Option(8080),
         time_scale: float = typer.Option(1.0, help="multiplies the emulated engines' perf-model delays"),
         interval: float = typer.Option(60.0, help="seconds between allocator runs"),
+        market: str | None = typer.Option(
+            None, help="market file or http(s) URL (a MarketSnapshot: offerings and availability), re-read every "
+            "--market-poll seconds; a change re-plans at once"
+        ),
+        market_poll: float = typer.Option(30.0, help="seconds between reads of --market"),
         db: Path | None = typer.Option(
             None, help="controller state file (default out/<scenario>.runtime.sqlite)"
         ),
@@ -198,6 +238,12 @@ def register(app: typer.Typer) -> None:
         ),
     ) -> None:
         """Run controller + gateway + engines; OpenAI API on http://HOST:PORT/v1, state on /state."""
+        from coral.allocation.plan import Plan
+        from coral.runtime.backends import EmulatedBackend, VllmProcessBackend
+        from coral.runtime.controller import Store
+        from coral.runtime.gateway import GatewayConfig, load_secrets
+        from coral.runtime.traffic import TrafficMeter
+
         db_path = db or DEFAULT_OUT / f"{Path(scenario).stem}.runtime.sqlite"
         store = Store(db_path)
         if store.notice:
@@ -227,8 +273,17 @@ def register(app: typer.Typer) -> None:
             Plan.load(plan)  # fail now on a bad file
             plan_path = plan
             planner: Callable[[], Plan] = lambda: Plan.load(plan_path)  # noqa: E731
+        watcher = None
+        if market is not None:
+            if plan is not None:
+                raise CoralInputError("--market: plans are made by the allocator; drop --plan to use a market")
+            from coral.catalog.loader import market_catalog
+            from coral.runtime.market import MarketWatcher
+
+            watcher = MarketWatcher(market, slos, market_catalog(slos), poll_s=market_poll)
         if plan is None:
-            planner = allocator_planner(scenario, store.plan, observe=meter.observe, interval_s=interval)
+            planner = allocator_planner(scenario, store.plan, observe=meter.observe, interval_s=interval,
+                                        market=watcher)
         admin = load_secrets(ADMIN_TOKEN_ENV, admin_token_file)
         if len(admin) > 1:
             raise CoralInputError(f"{admin_token_file or ADMIN_TOKEN_ENV}: holds more than one admin token")
@@ -249,12 +304,18 @@ def register(app: typer.Typer) -> None:
         )
         meter.gateway = gw_app.state.gateway
         controller.start()
+        if watcher is not None:
+            watcher.on_change = controller.trigger
+            watcher.start()
         console.print(
-            f"[green]coral serve[/] {scenario}: gateway http://{host}:{port}/v1, state /state, db {db_path}"
+            f"[green]coral serve[/] {scenario}: gateway http://{host}:{port}/v1, state /state, db {db_path}\n"
+            f"dashboard http://{host}:{port}/dashboard" + ("?token=TOKEN (an API key or read token)" if cfg.guarded else "")
         )
         try:
             run_server(gw_app, host, port, grace)
         finally:
+            if watcher is not None:
+                watcher.stop()
             controller.stop()
             engines.close()
 
@@ -274,6 +335,9 @@ def register(app: typer.Typer) -> None:
         grace: float = typer.Option(30.0, help=GRACE_HELP),
     ) -> None:
         """Serve the OpenAI API over deployed engines (static endpoints, no controller)."""
+        from coral.deploy.endpoints import EndpointsFile
+        from coral.runtime.gateway import GatewayConfig, create_gateway_app
+
         registry = static_registry(EndpointsFile.load(endpoints))
         cfg = GatewayConfig(max_concurrency=max_concurrency, max_waiting=max_waiting)
         cfg = access_config(cfg, api_keys_file, rate_limit, host, read_tokens_file)
@@ -290,8 +354,11 @@ def register(app: typer.Typer) -> None:
             "", envvar="CORAL_TOKEN", show_default=False,
             help="API key or read-only token, when the gateway has keys (env CORAL_TOKEN)",
         ),
+        as_json: bool = typer.Option(False, "--json", help=JSON_HELP),
     ) -> None:
         """Show the controller's plan, instances and recent actions."""
+        import httpx
+
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         try:
             r = httpx.get(f"{url.rstrip('/')}/state", headers=headers, timeout=5)
@@ -303,6 +370,9 @@ def register(app: typer.Typer) -> None:
             hint = "; pass --token (or CORAL_TOKEN)" if r.status_code == 401 else ""
             raise CoralInputError(f"--url {url}: /state answered HTTP {r.status_code}{hint}")
         st = r.json()
+        if as_json:
+            print_json(status_summary(st))
+            return
         p = st.get("plan")
         if p:
             n = len(p["instances"])

@@ -2,23 +2,34 @@
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import typer
+from rich.console import Console
 
-from coral.allocation.plan import Plan
 from coral.catalog.loader import CoralInputError
-from coral.cli.common import DEFAULT_OUT, OFFERINGS_HELP, console, friendly_errors, scenario_and_market
-from coral.report.terminal import FoldingTable
-from coral.report.view import plan_fingerprint
-from coral.simulation.availability import load_availability
-from coral.simulation.engine import Replanner
-from coral.simulation.metrics import SimResult
-from coral.simulation.replan import allocator_replanner
-from coral.simulation.run import simulate
-from coral.simulation.stand_in import greedy_plan
-from coral.templates.store import load_library
-from coral.workload.traces import SHIPPED_TRACES, shipped_path, stand_in_notes, workload_for
+from coral.cli.common import (
+    DEFAULT_OUT,
+    JSON_HELP,
+    OFFERINGS_HELP,
+    friendly_errors,
+    out_console,
+    print_json,
+    scenario_and_market,
+)
+
+if TYPE_CHECKING:
+    from coral.allocation.plan import ModelServing, Plan
+    from coral.catalog.schema import Scenario, ScenarioModel
+    from coral.report.terminal import FoldingTable
+    from coral.simulation.metrics import ModelMetrics, SimResult
+    from coral.workload.traces import RequestSet
+
+#: relative difference between a trace and what a plan was made for above which `coral simulate` warns
+MISMATCH = 0.25
 
 
 def register(app: typer.Typer) -> None:
@@ -32,24 +43,39 @@ def parse_traces(values: list[str], models: list[str]) -> dict[str, Path]:
     for v in values:
         name, sep, path = v.partition("=")
         if sep and name in models:
-            out[name] = shipped_path(path) if path in SHIPPED_TRACES else Path(path)
-        elif v in SHIPPED_TRACES:
-            out.update(dict.fromkeys(models, shipped_path(v)))
+            out[name] = trace_file(path, v)
         elif sep and not Path(v).exists():
             raise CoralInputError(f"--trace {v}: {name!r} is not a model of the scenario ({', '.join(models)})")
         else:
-            out.update(dict.fromkeys(models, Path(v)))
-    for m, p in out.items():
-        if not p.exists():
-            raise CoralInputError(f"--trace for {m}: {p}: no such file")
+            out.update(dict.fromkeys(models, trace_file(v, v)))
     return out
 
 
+def trace_file(value: str, given: str) -> Path:
+    """The file of a shipped trace's name or a path (`given`: the whole --trace value, for messages)."""
+    from coral.workload.traces import SHIPPED_TRACES, shipped_path
+
+    if value in SHIPPED_TRACES:
+        return shipped_path(value)
+    path = Path(value)
+    if path.exists():
+        return path
+    if path.suffix or "/" in value:
+        raise CoralInputError(f"--trace {given}: {value}: no such file")
+    try:
+        return shipped_path(value)
+    except CoralInputError as exc:
+        raise CoralInputError(f"--trace {given}: no file {value!r}, and {exc} (or give a trace CSV)") from None
+
+
 def results_table(result: SimResult) -> FoldingTable:
+    from coral.report.terminal import FoldingTable
+
     table = FoldingTable(title=f"Simulation of {result.scenario} ({result.router} router, {result.duration_s:g} s)")
     for col in ("model", "requests", "TTFT p50/p99 ms", "TPOT p50/p99 ms", "SLO att.", "goodput tok/s",
                 "util P/D", "batch fill"):
-        table.add_column(col, justify="left" if col == "model" else "right")
+        table.add_column(col, justify="left" if col == "model" else "right", no_wrap=col == "model",
+                         optional=col in ("util P/D", "batch fill"))
     for m in [*result.models, result.overall]:
         table.add_row(
             m.model, f"{m.finished}/{m.requests}", f"{m.ttft_ms.p50:.0f} / {m.ttft_ms.p99:.0f}",
@@ -87,13 +113,25 @@ def simulate_cmd(
     kv_reserve: str = typer.Option("mean", help="KV charged per decoding request: mean (prompt + output/2) or max"),
     out: Path = typer.Option(DEFAULT_OUT, help="output folder (library looked up here; results in out/sim/...)"),
     offerings: Path | None = typer.Option(None, help=OFFERINGS_HELP),
+    as_json: bool = typer.Option(False, "--json", help=JSON_HELP),
 ) -> None:
     """Simulate serving a plan: TTFT/TPOT, SLO attainment, goodput, cost, GPU utilisation (JSON + PNG)."""
+    from coral.allocation.plan import Plan
+    from coral.report.view import plan_fingerprint
+    from coral.simulation.availability import load_availability
+    from coral.simulation.engine import Replanner
+    from coral.simulation.replan import allocator_replanner
+    from coral.simulation.run import simulate
+    from coral.simulation.stand_in import greedy_plan
+    from coral.templates.store import load_library
+    from coral.workload.traces import stand_in_notes, workload_for
+
     routers = ["wrr", "lor"] if router == "both" else [router]
     if router not in ("wrr", "lor", "both"):
         raise CoralInputError(f"--router must be wrr, lor or both, not {router!r}")
     if kv_reserve not in ("mean", "max"):
         raise CoralInputError(f"--kv-reserve must be mean or max, not {kv_reserve!r}")
+    say = out_console(as_json)
     sc, cat = scenario_and_market(scenario, offerings)
     duration_s = duration or sc.epochs * sc.epoch_minutes * 60.0
     names = [m.model for m in sc.models]
@@ -101,11 +139,14 @@ def simulate_cmd(
     requests = workload_for(sc, duration_s, seed, files, rate_scale=rate_scale,
                             scaling=trace_scaling or None)  # type: ignore[arg-type]  # checked there
     for note in stand_in_notes(sc, files):
-        console.print(f"[yellow]note:[/] {note}")
+        say.print(f"[yellow]note:[/] {note}")
     sched = load_availability(availability, sc) if availability else sc.availability_schedule
     fixed_plan = Plan.load(plan) if plan is not None else None
+    warnings = trace_warnings(sc, fixed_plan, {m: requests[m] for m in files}, duration_s) if fixed_plan else []
+    for w in warnings:
+        say.print(f"[yellow]warning:[/] {w}")
     library = load_library(scenario, out, cat) if fixed_plan is None else None
-    results = []
+    runs = []
     for r in routers:
         runner: Plan | Replanner
         log: list[str] = []
@@ -117,43 +158,145 @@ def simulate_cmd(
         else:
             assert library is not None
             runner = allocator_replanner(library, sc, headroom=headroom, log=log)
-        with console.status(f"simulating {sum(len(x) for x in requests.values()):,} requests ({r} router)..."):
+        with say.status(f"simulating {sum(len(x) for x in requests.values()):,} requests over {duration_s:,.0f} s "
+                        f"({r} router)"):
             result = simulate(
                 runner, sc, requests, duration_s=duration_s, seed=seed, router=r, startup_delay_s=startup_delay,
                 availability=sched, handover=handover, forecast="oracle" if oracle else "previous",
                 kv_reserve=kv_reserve,  # type: ignore[arg-type]
             )
         result.notes.extend(log)
+        why = unfinished_reasons(result, sc, fixed_plan, requests, duration_s) if fixed_plan is not None else []
         if fixed_plan is not None:
             result.plan_fingerprint = plan_fingerprint(fixed_plan)
-        report(result, out / "sim" / f"{Path(scenario).stem}-{r}", requests_csv)
-        results.append(result)
-    if len(results) > 1:
-        console.print(compare_table(results))
+        path = report(result, out / "sim" / f"{Path(scenario).stem}-{r}", requests_csv, say, why)
+        runs.append((result, path, why))
+    if len(runs) > 1:
+        say.print(compare_table([r for r, _, _ in runs]))
+    if as_json:
+        print_json({"scenario": sc.name, "plan": str(plan) if plan else None, "trace_warnings": warnings,
+                    "runs": [sim_summary(r, path, why) for r, path, why in runs]})
 
 
-def report(result: SimResult, folder: Path, requests_csv: bool) -> None:
-    """Save JSON and plots (and the per-request CSV) of one run and print its summary."""
+def trace_warnings(scenario: Scenario, plan: Plan, requests: Mapping[str, RequestSet], duration_s: float) -> list[str]:
+    """One line per model whose requests (from a --trace) differ by more than MISMATCH from what `plan` was made
+    for: request rate and mean prompt/output lengths against the scenario's, mean tokens/s per phase against the
+    plan's (`planned_traffic`), naming the numbers."""
+    lines = []
+    for sm in scenario.models:
+        if sm.model not in requests or not len(requests[sm.model]):
+            continue
+        got = requests[sm.model]
+        offered = {"prefill": float(got.input_tokens.sum()) / duration_s,
+                   "decode": float(got.output_tokens.sum()) / duration_s}
+        pairs = [("requests/s", len(got) / duration_s, sm.request_rate),
+                 ("mean prompt tokens", float(got.input_tokens.mean()), sm.mean_input_tokens),
+                 ("mean output tokens", float(got.output_tokens.mean()), sm.mean_output_tokens)]
+        for s in plan.serving:
+            if s.model == sm.model:
+                pairs.append((f"{s.phase} tok/s", offered[s.phase], planned_traffic(s, sm)))
+        off = [f"{what} {_num(have)} vs {_num(want)} planned ({have / want - 1:+.0%})" for what, have, want in pairs
+               if want > 0 and abs(have / want - 1) > MISMATCH]
+        if off:
+            lines.append(f"{sm.model}: its trace differs from what the plan was made for by more than "
+                         f"{MISMATCH:.0%}: " + ", ".join(off))
+    return lines
+
+
+def planned_traffic(serving: ModelServing, sm: ScenarioModel) -> float:
+    """Mean tokens/s a plan's (model, phase) was made for: recorded in the plan (`coral run`'s), else the
+    scenario's rate x mean length (the plan's demand adds headroom for bursts on top)."""
+    if serving.traffic_tokens_s:
+        return serving.traffic_tokens_s
+    return sm.request_rate * (sm.mean_input_tokens if serving.phase == "prefill" else sm.mean_output_tokens)
+
+
+def _num(value: float) -> str:
+    return f"{value:,.0f}" if abs(value) >= 100 else f"{value:.3g}"
+
+
+def unfinished_reasons(result: SimResult, scenario: Scenario, plan: Plan, requests: Mapping[str, RequestSet],
+                       duration_s: float) -> list[str]:
+    """One line per model with requests left unfinished, saying why: the phase whose offered tokens/s exceed
+    the capacity of the plan's instances the most, or queues from bursts when the mean fits."""
+    lines = []
+    by_name = {sm.model: sm for sm in scenario.models}
+    for m in result.models:
+        missing = m.requests - m.finished
+        if missing <= 0 or m.model not in requests:
+            continue
+        got = requests[m.model]
+        offered = {"prefill": float(got.input_tokens.sum()) / duration_s,
+                   "decode": float(got.output_tokens.sum()) / duration_s}
+        capacity = {s.phase: sum(i.throughput for i in plan.instances_of(m.model, s.phase)) for s in plan.serving
+                    if s.model == m.model}
+        load = sorted(((offered[s.phase] / capacity[s.phase] if capacity[s.phase] else math.inf, s)
+                       for s in plan.serving if s.model == m.model), key=lambda x: -x[0])
+        head = f"{m.model}: {missing:,} of {m.requests:,} requests did not finish"
+        if not load:
+            lines.append(f"{head}: the plan serves no {m.model}")
+            continue
+        ratio, s = load[0]
+        sized = (f"the plan's {s.phase} was sized for {planned_traffic(s, by_name[m.model]):,.0f} tok/s "
+                 f"(capacity {capacity[s.phase]:,.0f} tok/s)")
+        if ratio > 1:
+            lines.append(f"{head}: {sized}, the trace offers {offered[s.phase]:,.0f} tok/s")
+        else:
+            lines.append(f"{head}: {sized} and the trace offers {offered[s.phase]:,.0f} tok/s on average, but its "
+                         "bursts queued requests that were still waiting when the run ended")
+    return lines
+
+
+def report(result: SimResult, folder: Path, requests_csv: bool, say: Console, why: list[str]) -> Path:
+    """Save JSON and plots (and the per-request CSV) of one run, print its summary (`why`: the reasons requests
+    did not finish, when known) and return the JSON's path."""
     path = result.save_json(folder / "result.json")
     if requests_csv:
         result.save_requests_csv(folder / "requests.csv")
     pngs = result.plots(folder)
-    console.print(results_table(result))
-    console.print(
+    say.print(results_table(result))
+    say.print(
         f"cost {result.mean_cost_per_hour:,.2f} $/h (total ${result.total_cost:,.2f}), GPU utilisation "
-        f"{result.gpu_utilisation:.0%}, {result.requests_per_wall_s:,.0f} simulated requests per second"
+        f"{result.gpu_utilisation:.0%}; simulation time: {result.wall_s:,.1f} s for {result.requests:,} requests "
+        f"({result.requests_per_wall_s:,.0f} per second, the simulator alone)"
     )
     for note in result.notes:
-        console.print(f"[yellow]note:[/] {note}")
+        say.print(f"[yellow]note:[/] {note}")
     for e in result.epochs:
         if e.over_availability:
-            console.print(f"[yellow]epoch {e.epoch} uses more nodes than available:[/] {', '.join(e.over_availability)}")
-    if result.unfinished:
-        console.print(f"[yellow]{result.unfinished} requests did not finish[/]")
-    console.print(f"wrote {path}, " + ", ".join(str(p) for p in pngs))
+            say.print(f"[yellow]epoch {e.epoch} uses more nodes than available:[/] {', '.join(e.over_availability)}")
+    for line in why:
+        say.print(f"[yellow]{line}[/]")
+    if result.unfinished and not why:
+        say.print(f"[yellow]{result.unfinished:,} requests did not finish[/]")
+    say.print(f"wrote {path}, " + ", ".join(str(p) for p in pngs))
+    return path
+
+
+def sim_summary(result: SimResult, path: Path, why: list[str]) -> dict[str, Any]:
+    """What `coral simulate --json` prints per run: the headline metrics, per model latency percentiles,
+    attainment and goodput, the notes, why requests did not finish, and where the full result was written."""
+
+    def metrics(m: ModelMetrics) -> dict[str, Any]:
+        return {"model": m.model, "requests": m.requests, "finished": m.finished,
+                "slo_attainment": m.slo_attainment, "ttft_attainment": m.ttft_attainment,
+                "tpot_attainment": m.tpot_attainment, "goodput_tokens_s": m.goodput_tokens_s,
+                "ttft_ms": {"p50": m.ttft_ms.p50, "p99": m.ttft_ms.p99},
+                "tpot_ms": {"p50": m.tpot_ms.p50, "p99": m.tpot_ms.p99},
+                "prefill_gpu_util": m.prefill_gpu_util, "decode_gpu_util": m.decode_gpu_util}
+
+    return {"router": result.router, "seed": result.seed, "duration_s": result.duration_s,
+            "requests": result.requests, "finished": result.finished, "unfinished": result.unfinished,
+            "slo_attainment": result.slo_attainment, "goodput_tokens_s": result.goodput_tokens_s,
+            "mean_cost_per_hour": result.mean_cost_per_hour, "total_cost": result.total_cost,
+            "gpu_utilisation": result.gpu_utilisation, "overall": metrics(result.overall),
+            "models": [metrics(m) for m in result.models], "notes": result.notes, "unfinished_reasons": why,
+            "wall_s": result.wall_s, "result_path": str(path)}
 
 
 def compare_table(results: list[SimResult]) -> FoldingTable:
+    from coral.report.terminal import FoldingTable
+
     table = FoldingTable(title="Routers compared")
     for col in ("router", "SLO att.", "goodput tok/s", "TTFT p99 ms", "TPOT p99 ms", "finished"):
         table.add_column(col, justify="left" if col == "router" else "right")

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
-import numpy as np
 import typer
 
 from coral.catalog.loader import CoralInputError, builtin_catalog, load_scenario
@@ -18,9 +18,6 @@ from coral.cli.common import (
     library_path,
     scenario_and_market,
 )
-from coral.perf.roofline import PerfParams, RooflineModel
-from coral.report.terminal import FoldingTable
-from coral.templates.build import build_library
 
 templates_app = typer.Typer(help="Offline stage: the Serving Template Library.", no_args_is_help=True)
 
@@ -41,6 +38,11 @@ def build_cmd(
     offerings: Path | None = typer.Option(None, help=OFFERINGS_HELP),
 ) -> None:
     """Enumerate node combinations and solve each one's optimal placement."""
+    from coral.perf.roofline import PerfParams, RooflineModel
+    from coral.report.terminal import FoldingTable
+    from coral.templates.build import build_library
+
+    t0 = time.perf_counter()
     sc, cat = scenario_and_market(scenario, offerings)
     perf = RooflineModel(PerfParams.load(perf_params) if perf_params else None)
     stage_filter = None
@@ -53,13 +55,14 @@ def build_cmd(
     stats = json.loads(lib.meta["stats"])
     table = FoldingTable(title=f"Serving Template Library: {sc.name}")
     for col in ("model/phase", "candidates", "feasible", "kept", "non-dominated"):
-        table.add_column(col, justify="right" if col != "model/phase" else "left")
+        table.add_column(col, justify="right" if col != "model/phase" else "left", no_wrap=col == "model/phase")
     for key, st in stats.items():
         m, p = key.split("/")
         table.add_row(key, f"{st['candidates']:,}", f"{st['feasible']:,}", f"{st['kept']:,}",
                       f"{len(lib.select(m, p, include_dominated=False)):,}")
     console.print(table)
-    console.print(f"{len(lib):,} templates in {lib.meta['build_seconds']} s -> [bold]{path}[/]")
+    console.print(f"{len(lib):,} templates; time: {time.perf_counter() - t0:.1f} s end to end (enumeration and "
+                  f"placement {float(lib.meta['build_seconds']):.1f} s) -> [bold]{path}[/]")
 
 
 @templates_app.command("show")
@@ -75,6 +78,9 @@ def show_cmd(
     """Best templates of a model by tokens/s per $ in a region."""
     if phase not in ("prefill", "decode"):
         raise CoralInputError(f"--phase: must be prefill or decode, not {phase!r}")
+    import numpy as np
+
+    from coral.report.terminal import FoldingTable
     from coral.templates.store import load_library
 
     lib = load_library(scenario, out)

@@ -5,8 +5,11 @@ Instances are grouped by (model, phase, template, region): a single-node group b
 or one Kubernetes Deployment with `replicas` = group size. A multi-node pipeline becomes, per instance, one
 single-pod Deployment per pipeline rank (pinned by node selector to its stage's instance type and started with
 an explicit `--node-rank`, so a node always loads the layers the plan gave its stage) and a headless Service on
-rank 0 (API and rendezvous address). SkyPilot services cannot hold heterogeneous multi-node replicas, so those
-instances are listed as skipped for that target. The `commands` target writes one script per node.
+rank 0 (API and rendezvous address). A SkyPilot service replica is one task, whose nodes share one resources
+spec: a pipeline whose stages all use one node config becomes a multi-node replica (`num_nodes`, each node running
+its rank by `$SKYPILOT_NODE_RANK`); other pipelines are listed as skipped for that target (the rule is
+`coral.templates.engines.DEPLOY_TARGETS`, which also restricts planning with `--target`). The `commands` target
+writes one script per node.
 
 Rendering never drops a (model, phase) silently: `RenderResult.uncovered` lists those left with no launchable
 instance, and the CLI fails on them.
@@ -30,7 +33,7 @@ from pydantic import ValidationError
 
 from coral.allocation.plan import Plan, PlanInstance
 from coral.catalog.loader import Catalog, CoralInputError, builtin_catalog, format_validation_error
-from coral.catalog.schema import NodeOffering, parse_config_name
+from coral.catalog.schema import ModelArch, NodeOffering, parse_config_name
 from coral.deploy.endpoints import EndpointsFile, EndpointSpec
 from coral.deploy.vllm import (
     HEAD_ADDR_VAR,
@@ -38,10 +41,13 @@ from coral.deploy.vllm import (
     NODE_ADDR_VAR,
     VLLM_PORT,
     NodeLaunch,
+    Realisability,
     launch_commands,
     push_models,
     realisable,
 )
+from coral.templates.engines import target_refusal
+from coral.templates.library import Template
 
 Target = Literal["skypilot", "kubernetes", "commands"]
 TARGETS: tuple[Target, ...] = ("skypilot", "kubernetes", "commands")
@@ -164,14 +170,14 @@ def replica_groups(
 
 
 # --- SkyPilot ---------------------------------------------------------------------------------------------
-def skypilot_service(
-    inst: PlanInstance, launch: NodeLaunch, name: str, replicas: int, catalog: Catalog, image: str = VLLM_IMAGE
+def _skypilot_task(
+    inst: PlanInstance, launch: NodeLaunch, name: str, replicas: int, catalog: Catalog, image: str, run: str
 ) -> dict[str, Any]:
-    """SkyPilot task + service YAML (as a dict) for `replicas` single-node replicas running `launch` in the
-    vLLM image; the Hugging Face token is a secret (`sky serve up --secret HF_TOKEN`), never written here."""
+    """SkyPilot task + service YAML (as a dict) for `replicas` replicas on `launch`'s node config running `run`
+    in the vLLM image. The replica serves on `VLLM_PORT` (`service.ports`, needed as soon as the NIXL port is
+    opened too); the Hugging Face token is a secret (`sky serve up --secret HF_TOKEN`), never written here."""
     o = offering(catalog, launch.config, inst.region)
     gpu, n = parse_config_name(launch.config)
-    node_addr = f"export {NODE_ADDR_VAR}=$(hostname -I | awk '{{print $1}}')\n" if launch.env else ""
     return {
         "name": name,
         "resources": {
@@ -184,12 +190,38 @@ def skypilot_service(
         },
         "secrets": {"HF_TOKEN": None},
         "envs": dict(launch.env),
-        "run": node_addr + launch.shell(),
+        "run": run,
         "service": {
             "readiness_probe": {"path": "/health", "initial_delay_seconds": READINESS_DELAY_S},
             "replicas": replicas,
+            "ports": VLLM_PORT,
         },
     }
+
+
+_SKY_NODE_ADDR = f"export {NODE_ADDR_VAR}=$(hostname -I | awk '{{print $1}}')\n"
+
+
+def skypilot_service(
+    inst: PlanInstance, launch: NodeLaunch, name: str, replicas: int, catalog: Catalog, image: str = VLLM_IMAGE
+) -> dict[str, Any]:
+    """The service of `replicas` single-node replicas running `launch`."""
+    run = (_SKY_NODE_ADDR if launch.env else "") + launch.shell()
+    return _skypilot_task(inst, launch, name, replicas, catalog, image, run)
+
+
+def skypilot_pipeline(
+    inst: PlanInstance, launches: list[NodeLaunch], name: str, replicas: int, catalog: Catalog,
+    image: str = VLLM_IMAGE,
+) -> dict[str, Any]:
+    """The service of `replicas` multi-node replicas of a one-config pipeline: `num_nodes` = stages, node r runs
+    rank r (`$SKYPILOT_NODE_RANK`; rank 0, SkyPilot's head node, serves), the head's address from
+    `$SKYPILOT_NODE_IPS` is the rendezvous."""
+    cases = "".join(f"  {nl.rank}) {nl.shell(exec_=True)} ;;\n" for nl in launches)
+    run = (_SKY_NODE_ADDR + f'export {HEAD_ADDR_VAR}=$(echo "$SKYPILOT_NODE_IPS" | head -n1)\n'
+           + f'case "$SKYPILOT_NODE_RANK" in\n{cases}esac\n')
+    task = _skypilot_task(inst, launches[0], name, replicas, catalog, image, run)
+    return {"name": name, "num_nodes": len(launches), **{k: v for k, v in task.items() if k != "name"}}
 
 
 # --- Kubernetes -------------------------------------------------------------------------------------------
@@ -323,15 +355,23 @@ def _endpoint(service: str, inst: PlanInstance, weight: float) -> EndpointSpec:
 
 
 # --- coverage ---------------------------------------------------------------------------------------------
+def launchable(inst: PlanInstance | Template, arch: ModelArch, target: Target) -> Realisability:
+    """Whether `target` launches `inst` (a plan instance or a library template) with stock vLLM (`realisable`,
+    then the target's own limit)."""
+    check = realisable(inst, arch)
+    if not check:
+        return check
+    why = target_refusal(target, [st.nodes for st in inst.stages])
+    return Realisability(not why, why)
+
+
 def skipped_instances(plan: Plan, target: Target, catalog: Catalog) -> dict[str, str]:
     """Instance id -> why stock vLLM on `target` cannot launch it."""
     out: dict[str, str] = {}
     for inst in plan.instances:
-        check = realisable(inst, catalog.model(inst.model))
+        check = launchable(inst, catalog.model(inst.model), target)
         if not check:
             out[inst.id] = check.reason
-        elif target == "skypilot" and len(inst.stages) > 1:
-            out[inst.id] = "multi-node pipeline: SkyPilot replicas are single-node; use --target kubernetes or commands"
     return out
 
 
@@ -407,6 +447,10 @@ def _render_into(plan: Plan, target: Target, out: Path, cat: Catalog, image: str
                 else:
                     write(f"{name}.k8s.yaml", k8s_deployment(first, launch, name, replicas, cat, image))
                     res.endpoints.append(_endpoint(name, first, weight))
+        elif target == "skypilot":
+            name = group_name(first)
+            launches = launch_commands(first, cat.model(first.model), push=use_push)
+            write(f"{name}.sky.yaml", [skypilot_pipeline(first, launches, name, len(insts), cat, image)])
         elif target == "kubernetes":
             for k, inst in enumerate(insts):
                 docs = k8s_pipeline(inst, k, cat, image, use_push)

@@ -33,7 +33,7 @@ from coral.catalog.schema import Scenario
 from coral.experiments.paper import paper_setting, waterfall_settings
 from coral.templates.library import TemplateLibrary
 from coral.templates.store import load_library
-from coral.workload.traces import RequestSet, workload_for
+from coral.workload.traces import RequestSet, thinned, workload_for
 
 SCARCE_FACTORS = (0.5, 0.8, 1.25, 1.75)  # < 1: below the estimate; demand may not be met
 EPOCH_SEED = 7
@@ -72,7 +72,10 @@ class Inputs:
 
 class Judge:
     """A plan's SLO goodput by simulation (module doc), on the held-out workload of the scenario it serves (made
-    once per scenario and kept)."""
+    once per scenario and kept). A plan that serves a model's demand only in part (scarcity) is offered that
+    share of the model's requests, the rest shed at the door, as a gateway admitting only what the plan was
+    sized for would (the paper's protocol scales the offered load down likewise); shed requests count as
+    offered and missed."""
 
     def __init__(self) -> None:
         self._workloads: dict[str, dict[str, RequestSet]] = {}
@@ -84,13 +87,26 @@ class Judge:
         key = sc.model_dump_json(include={"models", "trace_scaling", "epochs", "epoch_minutes"})
         if key not in self._workloads:
             self._workloads[key] = workload_for(sc, duration, HELD_OUT_SEED)
-        requests = self._workloads[key]
-        sim = simulate(plan, sc, requests, duration_s=duration, seed=HELD_OUT_SEED, catalog=catalog)
-        offered = sum(float(r.output_tokens.sum()) for r in requests.values()) / duration
+        offered = self._workloads[key]
+        admitted = thinned(offered, admitted_shares(plan), HELD_OUT_SEED)
+        sim = simulate(plan, sc, admitted, duration_s=duration, seed=HELD_OUT_SEED, catalog=catalog)
+        tokens = sum(float(r.output_tokens.sum()) for r in offered.values()) / duration
+        requests = {m: len(r) for m, r in offered.items()}
+        att = {m.model: m.slo_attainment for m in sim.models}
+        good = {m: att.get(m, 0.0) * len(admitted[m]) / n if len(admitted[m]) else float(n == 0)
+                for m, n in requests.items()}
         return {"sim_goodput": round(sim.goodput_tokens_s, 1),
-                "goodput_share": round(sim.goodput_tokens_s / offered, 4) if offered else 1.0,
-                "attainment": round(sim.slo_attainment, 4),
-                "least_attainment": round(min((m.slo_attainment for m in sim.models), default=1.0), 4)}
+                "goodput_share": round(sim.goodput_tokens_s / tokens, 4) if tokens else 1.0,
+                "attainment": round(sum(good[m] * requests[m] for m in good) / max(sum(requests.values()), 1), 4),
+                "least_attainment": round(min(good.values(), default=1.0), 4)}
+
+
+def admitted_shares(plan: Plan) -> dict[str, float]:
+    """Per model, the share of its demand the plan serves in both phases (1 where it meets the demand)."""
+    out: dict[str, float] = {}
+    for s in plan.serving:
+        out[s.model] = min(out.get(s.model, 1.0), s.served_fraction if s.demand > 0 else 1.0)
+    return out
 
 
 def _min_served(plan: Plan) -> float:
@@ -111,14 +127,15 @@ def compare_plans(lib: TemplateLibrary, sc: Scenario, avail: dict[str, dict[str,
                   demand: dict[DemandKey, float] | None, time_limit: float, catalog: Catalog | None = None
                   ) -> dict[str, Plan]:
     """Coral and every baseline on one setting. Coral and homo-ilp run in cost mode; when demand cannot be met
-    they run in goodput mode (Coral also in max-min and the paper's scaled mode, as "coral-maxmin" and
-    "coral-scaled")."""
+    they run in goodput mode (Coral also without its fairness floor, in max-min and in the paper's scaled
+    mode, as "coral-no-floor", "coral-maxmin" and "coral-scaled")."""
     plans: dict[str, Plan] = {}
     common: dict[str, Any] = {"demand": demand, "availability": avail, "catalog": catalog}
     try:
         plans["coral"] = allocate(lib, sc, time_limit=time_limit, gap=1e-4, **common)
     except InfeasibleDemand:
         plans["coral"] = allocate(lib, sc, mode="goodput", time_limit=time_limit, **common)
+        plans["coral-no-floor"] = allocate(lib, sc, mode="goodput", fairness=0.0, time_limit=time_limit, **common)
         for mode in ("maxmin", "scaled"):  # raise when no model can be served at a positive uniform share
             with contextlib.suppress(InfeasibleDemand):
                 plans[f"coral-{mode}"] = allocate(lib, sc, mode=mode, time_limit=time_limit, **common)
@@ -194,8 +211,9 @@ def _judged_notes(judge: Judge | None) -> list[str]:
     if judge is None:
         return ["not simulated (--no-simulate): served is the planned share of demand, not SLO goodput"]
     return [f"sim_goodput = generated tokens/s of requests meeting both SLOs, simulated on the held-out workload "
-            f"(seed {HELD_OUT_SEED}); goodput_share = of all tokens/s offered; goodput_x = Coral's sim_goodput / "
-            "the method's (> 1: Coral serves more within SLO); attainment = share of requests within SLO"]
+            f"(seed {HELD_OUT_SEED}), each model offered the share of its requests the plan serves (the rest shed); "
+            "goodput_share = of all tokens/s offered; goodput_x = Coral's sim_goodput / the method's (> 1: Coral "
+            "serves more within SLO); attainment = share of all offered requests served within SLO"]
 
 
 def exp_scarce(inputs: Inputs, judge: Judge | None, time_limit: float = 30.0) -> ExperimentResult:
@@ -320,7 +338,8 @@ def exp_epochs(inputs: Inputs, judge: Judge | None, time_limit: float = 30.0, sc
         prev = plan
     cols = ["epoch", "demand_x", "avail_factor", "cost_per_hour", "penalty_per_hour", "instances", "started",
             "stopped", "min_served", "solve_s", "wall_s", "gap"]
-    return ExperimentResult("epochs", f"Five epochs of shifting demand and availability ({scenario})", cols, rows,
+    return ExperimentResult(f"epochs-{sc.name}", f"Five epochs of shifting demand and availability ({sc.name})", cols,
+                            rows,
                             notes=[f"availability = ceil(factor × E_c / |R_c|), seed {EPOCH_SEED}"])
 
 
@@ -379,7 +398,7 @@ def _plot(result: ExperimentResult, path: Path) -> None:
             ax.set_xticks(steps, [r["change"] for r in result.rows], rotation=20, ha="right", fontsize=7)
             ax.set_ylabel(label)
             ax.legend()
-    elif result.name == "epochs":
+    elif result.name.startswith("epochs"):
         ep = [r["epoch"] for r in result.rows]
         axes[0].plot(ep, [r["cost_per_hour"] for r in result.rows], marker="o", label="$/h")
         axes[0].plot(ep, [r["penalty_per_hour"] for r in result.rows], marker="x", label="penalty $/h")

@@ -4,7 +4,8 @@ For each of two layer counts j1 < j2 the profiler starts ``vllm serve`` with the
 (``--hf-overrides {"num_hidden_layers": j}``, dummy weights, so no download of real weights is needed beyond the
 config), then measures
 - prefill: wall time of a burst of concurrent prompts totalling B tokens, each with ``max_tokens=1``;
-- decode: mean inter-token time of B concurrent streams with ``ignore_eos``.
+- decode: mean time per generated token of B concurrent streams with ``ignore_eos`` (tokens counted from the
+  server's running usage, since a loaded server merges tokens into fewer chunks; see `measure_decode`).
 The per-layer time is the slope (t(j2) - t(j1)) / (j2 - j1), which cancels the fixed per-step overhead.
 
 On a CPU node config (`1xCPU`) the engine is vLLM's CPU build (`coral.vllm_cpu`: its own venv's Python,
@@ -40,6 +41,9 @@ from coral.perf.measured import MANIFEST, PROFILE_FILES, ProfileManifest
 from coral.perf.model import Phase
 
 Launcher = Callable[[int], contextlib.AbstractContextManager[str]]
+DECODE_PROMPT_TOKENS = 8
+DECODE_RETRY_FACTOR = 8
+"""A decode burst whose every stream came in one chunk is run again with this many times the tokens."""
 
 
 @dataclass(frozen=True)
@@ -69,7 +73,7 @@ def vllm_command(
         "--max-num-seqs", str(max(spec.decode_batches)),
         "--max-num-batched-tokens", str(max(spec.prefill_tokens)),
     ]
-    max_len = spec.prompt_tokens + spec.decode_steps + 16
+    max_len = max(spec.prompt_tokens, DECODE_PROMPT_TOKENS + spec.decode_steps * DECODE_RETRY_FACTOR) + 16
     if not vllm_cpu.is_cpu_config(spec.config):
         return [*argv, "--load-format", "dummy", "--max-model-len", str(max_len), *spec.extra_args], {}
     if spec.tensor_parallel != 1:
@@ -147,28 +151,51 @@ async def measure_prefill(client: httpx.AsyncClient, url: str, model: str, token
     return time.perf_counter() - t0
 
 
-async def measure_decode(client: httpx.AsyncClient, url: str, model: str, batch: int, steps: int) -> float:
-    """Mean seconds per decode step with `batch` concurrent streams."""
-    body = {"model": model, "prompt": [1] * 8, "max_tokens": steps, "min_tokens": steps, "ignore_eos": True,
-            "stream": True}
+async def measure_decode(
+    client: httpx.AsyncClient, url: str, model: str, batch: int, steps: int,
+    clock: Callable[[], float] = time.perf_counter,
+) -> float:
+    """Mean seconds per decode step with `batch` concurrent streams of `steps` tokens.
 
-    async def one() -> tuple[float, float, int]:
-        first = last = 0.0
-        count = 0
-        async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
-            r.raise_for_status()
-            async for line in r.aiter_lines():
-                if line.startswith("data:") and line.strip() != "data: [DONE]":
-                    last = time.perf_counter()
-                    first = first or last
-                    count += 1
-        return first, last, count
+    Steps are counted in tokens, not in chunks: when the API server falls behind the engine (a loaded machine),
+    vLLM merges a stream's unsent tokens into one chunk, so a stream of 4 tokens can arrive as 1 or 2 chunks.
+    Each chunk carries the stream's running token count (`continuous_usage_stats`; a server that sends no usage
+    counts one token a chunk), and a stream's step time is the time between its first and its last chunk over
+    the tokens generated between them. A stream whose tokens all came in one chunk spans no step; if every
+    stream did, the burst runs once more with `DECODE_RETRY_FACTOR` times the tokens (more steps for the
+    server to fall behind over) before the measurement fails."""
+    for budget in (steps, steps * DECODE_RETRY_FACTOR):
+        spans = await asyncio.gather(*(_decode_stream(client, url, model, budget, clock) for _ in range(batch)))
+        per_step = [(t1 - t0) / (n1 - n0) for (t0, n0), (t1, n1) in spans if n1 > n0]
+        if per_step:
+            return sum(per_step) / len(per_step)
+    raise CoralInputError(
+        f"decode measurement: each of {batch} streams delivered all its tokens in one chunk, twice (the second "
+        f"time {steps * DECODE_RETRY_FACTOR} tokens): the server's API process is starved; profile on a quieter "
+        "machine or with more decode steps")
 
-    spans = await asyncio.gather(*(one() for _ in range(batch)))
-    per_step = [(b - a) / (c - 1) for a, b, c in spans if c > 1]
-    if not per_step:
-        raise CoralInputError("decode measurement got fewer than two tokens per stream")
-    return sum(per_step) / len(per_step)
+
+async def _decode_stream(
+    client: httpx.AsyncClient, url: str, model: str, steps: int, clock: Callable[[], float]
+) -> tuple[tuple[float, int], tuple[float, int]]:
+    """(time, tokens so far) at the first and at the last chunk of one stream of exactly `steps` tokens."""
+    body = {"model": model, "prompt": [1] * DECODE_PROMPT_TOKENS, "max_tokens": steps, "min_tokens": steps,
+            "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    marks: list[tuple[float, int]] = []
+    async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if not line.startswith("data:") or line.strip() == "data: [DONE]":
+                continue
+            now, chunk = clock(), json.loads(line[len("data:"):])
+            if not chunk.get("choices"):  # the closing usage chunk carries no token
+                continue
+            counted = (chunk.get("usage") or {}).get("completion_tokens")
+            marks.append((now, int(counted) if counted else (marks[-1][1] if marks else 0) + 1))
+    if not marks:
+        raise CoralInputError(f"decode measurement: a stream from {url} sent no token")
+    return marks[0], marks[-1]
 
 
 async def _fastest(repeats: int, measure: Callable[[], Awaitable[float]]) -> float:

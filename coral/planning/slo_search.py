@@ -38,8 +38,6 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from coral.allocation.allocator import InfeasibleDemand, allocate
 from coral.allocation.core import Availability
 from coral.allocation.demand import TUNING_SEED, DemandKey, headroom, run_length_s, scenario_traffic
@@ -49,7 +47,7 @@ from coral.catalog.schema import Scenario
 from coral.perf.model import Phase
 from coral.simulation.run import simulate
 from coral.templates.library import TemplateLibrary
-from coral.workload.traces import RequestSet, workload_for
+from coral.workload.traces import RequestSet, thinned, workload_for
 
 Planner = Callable[[dict[DemandKey, float]], Plan]
 Progress = Callable[[str], None]
@@ -148,7 +146,7 @@ def simulator_evaluator(scenario: Scenario, duration_s: float, catalog: Catalog 
             return seen[key]
         if seed not in workloads:
             workloads[seed] = workload_for(scenario, duration_s, seed)
-        requests = workloads[seed] if share >= 1 else _thinned(workloads[seed], share, seed)
+        requests = workloads[seed] if share >= 1 else thinned(workloads[seed], share, seed)
         sim = simulate(plan, scenario, requests, duration_s=duration_s, seed=seed, catalog=catalog)
         seen[key] = {m.model: Attainment(m.slo_attainment, m.ttft_attainment, m.tpot_attainment)
                      for m in sim.models}
@@ -173,15 +171,6 @@ def worst_of(results: list[Mapping[str, Attainment]]) -> dict[str, Attainment]:
 def _blamed(miss_prefill: float, miss_decode: float, allowed: float) -> list[Phase]:
     blamed = [p for p, miss in ((Phase.PREFILL, miss_prefill), (Phase.DECODE, miss_decode)) if miss > allowed / 2]
     return blamed or [Phase.PREFILL if miss_prefill >= miss_decode else Phase.DECODE]
-
-
-def _thinned(requests: dict[str, RequestSet], share: float, seed: int) -> dict[str, RequestSet]:
-    rng = np.random.default_rng(seed)
-    out = {}
-    for m, r in requests.items():
-        keep = rng.random(len(r)) < share
-        out[m] = RequestSet(r.arrival_s[keep], r.input_tokens[keep], r.output_tokens[keep], r.source)
-    return out
 
 
 def with_traffic(plan: Plan, traffic: Mapping[DemandKey, float]) -> Plan:

@@ -6,7 +6,7 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
-from rich.console import Console
+from rich.console import Console, ConsoleOptions, RenderResult
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -15,19 +15,122 @@ from rich.progress import (
     TextColumn,
     TimeElapsedColumn,
 )
-from rich.table import Table
+from rich.table import Column, Table
+from rich.text import Text
 
-from coral.allocation.plan import Plan, PlanInstance
+from coral.allocation.plan import Plan, PlanInstance, SolveReport
 from coral.report.inputs import ReportInputs
 from coral.report.view import comparison, instance_groups, latency_charts, solver_in_words
 
 
 class FoldingTable(Table):
-    """A rich Table whose cells fold onto more lines instead of being cut with '…' in a narrow terminal."""
+    """A rich Table for narrow terminals: columns added with `optional=True` are left out, last first, while the
+    table cannot fit the width without breaking a word (a dim line under it names them); the remaining cells fold
+    onto more lines instead of being cut with '…'. Pass `no_wrap=True` for name columns: rich narrows them last."""
 
-    def add_column(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._optional: list[Column] = []
+
+    def add_column(self, *args: Any, optional: bool = False, **kwargs: Any) -> None:
         kwargs.setdefault("overflow", "fold")
         super().add_column(*args, **kwargs)
+        if optional:
+            self._optional.append(self.columns[-1])
+
+    def _breaks_words(self, console: Console, options: ConsoleOptions) -> bool:
+        """Whether rich would give some column less than its longest word at this width."""
+        inner = options.update_width(options.max_width - self._extra_width)
+        widths = self._calculate_column_widths(console, inner)
+        return any(w < self._measure_column(console, inner, c).minimum for w, c in zip(widths, self.columns, strict=True))
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        every = self.columns
+        left_out: list[str] = []
+        for col in reversed(self._optional):
+            if not self._breaks_words(console, options):
+                break
+            self.columns = [c for c in self.columns if c is not col]
+            left_out.insert(0, str(col.header))
+        try:
+            yield from super().__rich_console__(console, options)
+        finally:
+            self.columns = every
+        if left_out:
+            yield Text(f"(left out for the terminal's width: {', '.join(left_out)}; widen it or set COLUMNS)",
+                       style="dim")
+
+
+#: table headers for the field names of results (experiment rows, JSON keys) that are not words
+HEADERS = {
+    "cost_per_hour": "$/h",
+    "penalty_per_hour": "penalty $/h",
+    "ratio": "× Coral",
+    "demand_met": "demand met",
+    "heterogeneous": "mixed GPUs",
+    "min_served": "least served",
+    "demand_scale": "demand ×",
+    "demand_x": "demand ×",
+    "avail_factor": "avail. ×",
+    "solve_s": "solve s",
+    "wall_s": "wall s",
+    "all_met": "all met",
+    "sim_goodput": "SLO goodput tok/s",
+    "goodput_share": "goodput share",
+    "goodput_x": "Coral goodput ×",
+    "attainment": "SLO attainment",
+    "least_attainment": "least attainment",
+}
+
+#: result fields that are shares of 1, shown in percent
+SHARE_FIELDS = frozenset({"min_served", "served", "goodput_share", "attainment", "least_attainment"})
+
+
+def header(field: str) -> str:
+    """A readable column header for a result field name: 'cost_per_hour' -> '$/h', 'solve_s' -> 'solve s'."""
+    return HEADERS.get(field, field.replace("_", " "))
+
+
+def human(value: object) -> str:
+    """A table cell for people: '-' for None, yes/no, integers with thousands separators, and floats rounded:
+    below 1e-9 in size 0 (solver noise), below 1 three significant digits, else two decimals (none when whole)."""
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, int):
+        return f"{value:,}"
+    if isinstance(value, float):
+        if abs(value) < 1e-9:
+            return "0"
+        if abs(value) < 1:
+            return f"{value:.3g}"
+        return f"{value:,.2f}".removesuffix(".00")
+    return str(value)
+
+
+def cell(field: str, value: object) -> str:
+    """A table cell of a result field: shares (SHARE_FIELDS) in percent, anything else by `human`."""
+    if field in SHARE_FIELDS and isinstance(value, float):
+        return f"{value:.1%}"
+    return human(value)
+
+
+def gap_text(gap: float | None) -> str:
+    """A relative MIP gap for people, in percent: '-' when unknown, '0 %' below 1e-9 (rounding noise)."""
+    if gap is None:
+        return "-"
+    if abs(gap) < 1e-9:
+        return "0 %"
+    return "< 0.01 %" if abs(gap) < 1e-4 else f"{gap * 100:.2g} %"
+
+
+def solve_line(sv: SolveReport) -> str:
+    """The solver's figures on one line, rounded for people: status, objective and bound to the cent, gap."""
+    cents = "-" if sv.objective is None else f"{sv.objective:,.2f}"
+    bound = "-" if sv.bound is None else f"{sv.bound:,.2f}"
+    return (f"solver: {sv.status}, objective {cents}, bound {bound}, gap {gap_text(sv.gap)}, {sv.time_s:.2f} s, "
+            f"{sv.n_variables:,} variables, {sv.n_constraints:,} constraints")
 
 
 def layout_text(inst: PlanInstance) -> str:
@@ -48,8 +151,8 @@ def plan_tables(plan: Plan) -> list[Table]:
     serving = FoldingTable(
         title=f"Plan {plan.scenario} · {plan.method} · {plan.mode} · {_money(plan.cost_per_hour)}"
     )
-    for col in ("model", "phase"):
-        serving.add_column(col)
+    serving.add_column("model", no_wrap=True)
+    serving.add_column("phase")
     for col in ("demand tok/s", "capacity tok/s", "served", "instances", "cost"):
         serving.add_column(col, justify="right")
     for s in sorted(plan.serving, key=lambda s: (s.model, s.phase)):
@@ -102,7 +205,7 @@ def print_comparison(plan: Plan, baselines: Sequence[Plan], console: Console | N
     console = console or Console()
     cmp = comparison(plan, baselines)
     table = FoldingTable(title="Comparison with baselines (costs in $/h)")
-    table.add_column("method")
+    table.add_column("method", no_wrap=True)
     for col in [*cmp["models"], "served", "total", f"vs {plan.method}"]:
         table.add_column(col, justify="right")
     for r in cmp["rows"]:
@@ -122,7 +225,7 @@ def print_inputs(inputs: ReportInputs, default_method: str = "", console: Consol
     console = console or Console()
     if inputs.epochs:
         table = FoldingTable(title="Per epoch")
-        table.add_column("method")
+        table.add_column("method", no_wrap=True)
         for col in ("epoch", "cost", "goodput tok/s", "churn"):
             table.add_column(col, justify="right")
         for p in sorted(inputs.epochs, key=lambda p: (p.method or default_method, p.epoch)):
@@ -137,8 +240,8 @@ def print_inputs(inputs: ReportInputs, default_method: str = "", console: Consol
     charts = latency_charts(inputs.latency)
     if charts:
         table = FoldingTable(title="Latency against SLOs (ms)")
-        for col in ("model", "metric"):
-            table.add_column(col)
+        table.add_column("model", no_wrap=True)
+        table.add_column("metric")
         for col in ("n", "p50", "p90", "p99", "SLO", "within SLO"):
             table.add_column(col, justify="right")
         for c in charts:
@@ -149,7 +252,7 @@ def print_inputs(inputs: ReportInputs, default_method: str = "", console: Consol
                 str(c["n"]),
                 *(f"{c[q]:,.1f}" for q in ("p50", "p90", "p99")),
                 "–" if c["slo_ms"] is None else f"{c['slo_ms']:,.0f}",
-                "–" if att is None else (f"[red]{att:.1%}[/]" if att < 0.99 else f"{att:.1%}"),
+                "–" if att is None else (f"[red]{att:.1%}[/]" if att < c.get("target", 0.9) else f"{att:.1%}"),
             )
         console.print(table)
 

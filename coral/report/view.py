@@ -18,11 +18,13 @@ from pydantic import BaseModel
 from coral.allocation.plan import Plan, PlanInstance, SolveReport
 from coral.catalog.loader import Catalog, CoralInputError, builtin_catalog, load_scenario
 from coral.catalog.schema import Scenario, parse_config_name
+from coral.deploy.bom import bill_of_materials, plan_market
 from coral.report.adapters import as_inputs
 from coral.report.inputs import (
     MAX_CDF_POINTS,
     EpochPoint,
     LatencySeries,
+    MethodResult,
     ReportInputs,
     TimeSeries,
     adapt_inputs,
@@ -33,8 +35,9 @@ from coral.report.inputs import (
 from coral.simulation.metrics import SimResult
 
 VIEW_VERSION = 1
-#: a model passes an SLO when at least this share of its requests meets it
+#: a model passes an SLO when at least this share of its requests meets it (unless its plan sets another target)
 SLO_TARGET = 0.9
+ENGINE_NAMES = {"coral": "the Coral engine", "vllm": "stock vLLM"}
 # Dark enough for white labels; indexed by catalog GPU order, so a GPU type keeps its colour across reports.
 PALETTE = (
     "#1B9E9E", "#D55E00", "#009E73", "#CC79A7", "#6A3D9A", "#B8860B", "#0072B2", "#8C564B",
@@ -190,6 +193,11 @@ def solver_in_words(sv: SolveReport) -> str:
     return words + took
 
 
+def plan_title(plan: Plan, kind: str = "Coral plan") -> str:
+    """'Coral plan — core (coral) for the Coral engine': scenario, method and the engine the plan targets."""
+    return f"{kind} — {plan.scenario} ({plan.method}) for {ENGINE_NAMES[plan.engine]}"
+
+
 def summary(plan: Plan) -> dict[str, Any]:
     n_nodes = sum(i.n_nodes for i in plan.instances)
     n_gpus = sum(gpus_in(c) * n for i in plan.instances for c, n in i.counts.items())
@@ -197,6 +205,7 @@ def summary(plan: Plan) -> dict[str, Any]:
         "scenario": plan.scenario,
         "method": plan.method,
         "mode": plan.mode,
+        "engine": plan.engine,
         "demand_scale": plan.demand_scale,
         "cost_per_hour": plan.cost_per_hour,
         "penalty_per_hour": plan.penalty_per_hour,
@@ -226,8 +235,35 @@ def _model_costs(plan: Plan) -> dict[str, float]:
     return dict(out)
 
 
-def comparison(plan: Plan, baselines: Sequence[Plan]) -> dict[str, Any]:
-    """Plan vs baselines: total $/h, ratio baseline/plan (>1: the plan is cheaper), served fraction, per model."""
+def slo_targets(plan: Plan) -> dict[str, float]:
+    """The share of requests each model must serve within its SLOs, as the plan was checked against (none: the
+    plan was not checked, `SLO_TARGET` applies)."""
+    return dict(plan.slo.target) if plan.slo is not None else {}
+
+
+def attainment_of(p: Plan, runs: Sequence[MethodResult], default: float = SLO_TARGET) -> dict[str, Any]:
+    """A plan's SLO attainment (share of requests meeting both SLOs) and whether it passes its target: simulated
+    on the report's requests when a run of its method is given, else the planner's check of the worst model
+    (held-out requests when checked on them); None when neither is known."""
+    targets = slo_targets(p)
+    run = next((r for r in runs if r.method == p.method), None)
+    if run is not None:
+        target = max(targets.values(), default=default)
+        return {"attainment": run.slo_attainment, "attainment_pass": run.slo_attainment >= target,
+                "attainment_source": "simulated"}
+    if p.slo is not None:
+        got = p.slo.held_out or p.slo.tuned
+        if got:
+            worst = min(got, key=lambda m: got[m])
+            return {"attainment": got[worst],
+                    "attainment_pass": all(got[m] >= p.slo.target.get(m, default) for m in got),
+                    "attainment_source": f"planner's check, worst model ({worst})"}
+    return {"attainment": None, "attainment_pass": None, "attainment_source": None}
+
+
+def comparison(plan: Plan, baselines: Sequence[Plan], runs: Sequence[MethodResult] = ()) -> dict[str, Any]:
+    """Plan vs baselines: total $/h, ratio baseline/plan (>1: the plan is cheaper), served fraction, SLO
+    attainment (`attainment_of`; `runs` are simulated method runs), per model."""
     methods = [plan, *baselines]
     models = sorted(
         {m for p in methods for m in _model_costs(p)} | {s.model for p in methods for s in p.serving}
@@ -241,6 +277,7 @@ def comparison(plan: Plan, baselines: Sequence[Plan]) -> dict[str, Any]:
                 "cost_per_hour": p.cost_per_hour,
                 "ratio": p.cost_per_hour / plan.cost_per_hour if plan.cost_per_hour > 0 else None,
                 "min_served_fraction": min((s.served_fraction for s in p.serving), default=1.0),
+                **attainment_of(p, runs),
                 "by_model": {m: costs.get(m, 0.0) for m in models},
             }
         )
@@ -273,12 +310,17 @@ def savings(plan: Plan, baselines: Sequence[Plan]) -> list[dict[str, Any]]:
     return out
 
 
-def slo_section(inputs: ReportInputs, target: float = SLO_TARGET) -> dict[str, Any] | None:
-    """Overall and per-model SLO attainment with pass/fail per SLO (pass: at least `target` of requests)."""
+def slo_section(
+    inputs: ReportInputs, targets: Mapping[str, float] | None = None, default: float = SLO_TARGET
+) -> dict[str, Any] | None:
+    """Overall and per-model SLO attainment with pass/fail per SLO (pass: at least the model's target share of
+    its requests, `targets`, else `default`; overall: the strictest target)."""
     if not inputs.latency:
         return None
+    targets = targets or {}
     models = []
     for model, lat in sorted(inputs.latency.items()):
+        target = targets.get(model, default)
         ttft = lat.ttft_attainment
         tpot = lat.tpot_attainment
         if ttft is None and lat.slo_ttft_ms is not None and lat.ttft_ms:
@@ -287,6 +329,7 @@ def slo_section(inputs: ReportInputs, target: float = SLO_TARGET) -> dict[str, A
             tpot = cdf_at(cdf_points(lat.tpot_ms), lat.slo_tpot_ms)
         models.append({
             "model": model,
+            "target": target,
             "slo_ttft_ms": lat.slo_ttft_ms,
             "slo_tpot_ms": lat.slo_tpot_ms,
             "ttft_attainment": ttft,
@@ -297,6 +340,7 @@ def slo_section(inputs: ReportInputs, target: float = SLO_TARGET) -> dict[str, A
             "pass": None if lat.slo_attainment is None else lat.slo_attainment >= target,
         })
     overall = inputs.overall_attainment
+    target = max((targets.get(m, default) for m in inputs.latency), default=default)
     return {
         "target": target,
         "overall": overall,
@@ -367,9 +411,14 @@ def epoch_series(points: Sequence[EpochPoint], default_method: str) -> list[dict
 
 
 def latency_charts(
-    latency: Mapping[str, LatencySeries], max_points: int = MAX_CDF_POINTS
+    latency: Mapping[str, LatencySeries],
+    max_points: int = MAX_CDF_POINTS,
+    targets: Mapping[str, float] | None = None,
+    default: float = SLO_TARGET,
 ) -> list[dict[str, Any]]:
-    """One CDF chart per (model, metric); quantiles and SLO attainment (unless given exactly) from the full series."""
+    """One CDF chart per (model, metric); quantiles and SLO attainment (unless given exactly) from the full series;
+    `target`: the share within the SLO the model must reach (`targets`, else `default`)."""
+    targets = targets or {}
     charts = []
     for model in sorted(latency):
         lat = latency[model]
@@ -388,6 +437,7 @@ def latency_charts(
                     "metric": metric,
                     "slo_ms": slo,
                     "attainment": exact,
+                    "target": targets.get(model, default),
                     "p50": quantile(full, 0.5),
                     "p90": quantile(full, 0.9),
                     "p99": quantile(full, 0.99),
@@ -409,8 +459,42 @@ def _f(rec: Mapping[str, Any], *keys: str) -> float:
     return 0.0
 
 
-def live_section(plan: Plan | None, instances: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
-    """Runtime state: instance rows, counts per state, and the traffic split (weight share) per model/phase.
+def bom_section(plan: Plan, catalog: Catalog, source: str) -> dict[str, Any] | None:
+    """What to rent (`coral.deploy.bom`), each row with the plan instances using it in words
+    ('qwen3-32b prefill ×2, phi-4 decode'); None for a plan without instances."""
+    if not plan.instances:
+        return None
+    bom = bill_of_materials(plan, catalog, source)
+    insts = {i.id: i for i in plan.instances}
+    rows = []
+    for r in bom.rows:
+        users: dict[tuple[str, str], int] = defaultdict(int)
+        for iid in r.instances:
+            users[(insts[iid].model, insts[iid].phase)] += 1
+        words = ", ".join(f"{m} {ph}" + (f" ×{n}" if n > 1 else "") for (m, ph), n in sorted(users.items()))
+        rows.append({**r.model_dump(mode="json"), "used_by": words})
+    return {**bom.model_dump(mode="json"), "rows": rows, "count": sum(r.count for r in bom.rows)}
+
+
+def client_requests(rows: Iterable[Mapping[str, Any]]) -> dict[str, float]:
+    """Client requests per model from instance rows, each once: those of the instances answering the client
+    (decode where the model has decode instances; a prefill instance only prefilled them)."""
+    rows = list(rows)
+    decoded = {r["model"] for r in rows if r["phase"] == "decode"}
+    out: dict[str, float] = defaultdict(float)
+    for r in rows:
+        if r["phase"] == "decode" or r["model"] not in decoded:
+            out[r["model"]] += r["requests"]
+    return dict(out)
+
+
+def live_section(
+    plan: Plan | None,
+    instances: Iterable[Mapping[str, Any]],
+    requests: Mapping[str, float] | None = None,
+) -> dict[str, Any]:
+    """Runtime state: instance rows, counts per state, the traffic split (weight share) per model/phase, and
+    client requests per model (`requests`, e.g. the gateway's counters; default: `client_requests`).
 
     Rows are {id, state, inflight, requests, weight}; the gateway's `served` and `target_share` stand in for
     `requests` and `weight` when those are absent.
@@ -450,12 +534,14 @@ def live_section(plan: Plan | None, instances: Iterable[Mapping[str, Any]]) -> d
                 "shares": [{"id": r["id"], "share": r["weight"] / total if total > 0 else 0.0} for r in rs],
             }
         )
+    by_model = dict(requests) if requests is not None else client_requests(rows)
     return {
         "instances": sorted(rows, key=lambda r: (r["model"], r["phase"], r["id"])),
         "states": dict(sorted(states.items())),
         "traffic": traffic,
         "total_inflight": sum(r["inflight"] for r in rows),
-        "total_requests": sum(r["requests"] for r in rows),
+        "requests_by_model": dict(sorted(by_model.items())),
+        "total_requests": sum(by_model.values()),
     }
 
 
@@ -466,19 +552,26 @@ def view_model(
     sim: SimResult | ReportInputs | BaseModel | Mapping[str, Any] | None = None,
     epochs: Sequence[EpochPoint | Mapping[str, Any]] | None = None,
     live: Iterable[Mapping[str, Any]] | None = None,
+    live_requests: Mapping[str, float] | None = None,
     catalog: Catalog | None = None,
     scenario: Scenario | None = None,
-    slo_target: float = SLO_TARGET,
+    slo_target: float | None = None,
 ) -> dict[str, Any]:
     """Everything the page renders, as plain JSON types.
 
     `sim` carries latency (and maybe epochs): a SimResult or ReportInputs (or their dicts), see
     `coral.report.inputs`; `epochs` adds per-epoch points;
-    `live` is the runtime's instance list [{id, state, inflight, requests, weight}] for the dashboard.
+    `live` is the runtime's instance list [{id, state, inflight, requests, weight}] for the dashboard, and
+    `live_requests` its client requests per model (see `live_section`).
     `scenario` (default: the built-in one the plan names, if any) gives the demand assumptions;
-    `notes` are warnings shown prominently; the solver's own notes stay in `summary.solve.notes`.
+    `catalog` the offerings the plan rents (default: those of its scenario, `coral.deploy.bom.plan_market`);
+    a model passes its SLOs when `slo_target` of its requests meet them (default: the plan's target per model,
+    else `SLO_TARGET`); `notes` are warnings shown prominently; the solver's own notes stay in
+    `summary.solve.notes`.
     """
-    catalog = catalog or builtin_catalog()
+    catalog, source = (catalog, "the given offerings") if catalog is not None else plan_market(plan)
+    targets = {} if slo_target is not None else slo_targets(plan)
+    default = SLO_TARGET if slo_target is None else slo_target
     inputs = as_inputs(sim)
     if epochs:
         inputs = inputs.merged(adapt_inputs({"epochs": list(epochs)}, "epochs"))
@@ -491,20 +584,21 @@ def view_model(
     scenario = scenario or _scenario_named(plan.scenario)
     return {
         "version": VIEW_VERSION,
-        "title": f"Coral plan — {plan.scenario} ({plan.method})",
+        "title": plan_title(plan),
         "summary": summary(plan),
+        "bom": bom_section(plan, catalog, source),
         "gpu_colors": gpu_colors(gpus, catalog),
         "serving": serving_rows(plan),
         "costs": cost_breakdowns(plan, catalog),
         "instance_groups": instance_groups(plan, catalog),
-        "comparison": comparison(plan, baselines) if baselines else None,
+        "comparison": comparison(plan, baselines, inputs.methods) if baselines else None,
         "savings": savings(plan, baselines),
-        "slo": slo_section(inputs, slo_target),
+        "slo": slo_section(inputs, targets, default),
         "methods": [m.model_dump(mode="json") for m in inputs.methods],
         "demand": demand_section(scenario),
         "timeseries": timeseries_view(inputs.timeseries),
         "epochs": epoch_series(inputs.epochs, plan.method),
-        "latency": latency_charts(inputs.latency),
-        "live": live_section(plan, live) if live is not None else None,
+        "latency": latency_charts(inputs.latency, targets=targets, default=default),
+        "live": live_section(plan, live, live_requests) if live is not None else None,
         "notes": notes,
     }

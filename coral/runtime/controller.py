@@ -344,7 +344,8 @@ class Controller:
                         cost_per_hour, desired, state (pending|starting|ready|draining), url,
                         healthy, weight, inflight, served, failed, target_share, observed_share}],
          "traffic": {model: {phase: {instance id: observed share}}},
-         "latency": {model: {count, p50_ms, p99_ms, ttft_p50_ms, ttft_p99_ms}},
+         "latency": {model: {requests, errors, count, p50_ms, p99_ms (end to end), and where measured
+                    ttft_p50_ms, ttft_p99_ms, tpot_p50_ms, tpot_p99_ms}},
          "queue": {waiting, active}, "actions": [{seq, ts, kind, instance_id, status, detail}] (newest
          first), "pinned": whether a posted plan holds off the planner, "last_error": str,
          "updated_at": unix seconds}

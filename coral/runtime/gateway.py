@@ -48,7 +48,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequen
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import httpx
 from fastapi import APIRouter, FastAPI, Request
@@ -339,6 +339,67 @@ async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
     return b"".join(chunks)
 
 
+class Answer(NamedTuple):
+    """One answered request as the gateway timed it (seconds from its arrival)."""
+
+    e2e_s: float
+    ttft_s: float
+    """to the first byte of the answer (the whole answer when not streamed), as the traffic meter reads it"""
+    first_token_s: float | None
+    """time to the first token: the first streamed token, or the prefill instance's answer (PD, not streamed);
+    None when not observable (a non-streamed answer without a prefill instance)"""
+    tpot_s: float | None
+    """mean time per output token between the first and last streamed token; None when not streamed"""
+
+
+class TokenClock:
+    """Times the tokens of a streamed answer from its SSE events: each event carrying generated text is a token
+    (one event per token, as vLLM and the emulated engines send)."""
+
+    MAX_PENDING = 1 << 16  # a partial event longer than this is not an SSE event: stop buffering it
+
+    def __init__(self) -> None:
+        self.pending = b""
+        self.first: float | None = None
+        self.last: float | None = None
+        self.tokens = 0
+
+    def feed(self, chunk: bytes, at: float) -> None:
+        """Read a chunk of the answer that arrived at `at` (perf_counter seconds)."""
+        *events, rest = (self.pending + chunk).replace(b"\r\n", b"\n").split(b"\n\n")
+        self.pending = rest if len(rest) <= self.MAX_PENDING else b""
+        for event in events:
+            if _carries_text(event):
+                self.tokens += 1
+                self.first = at if self.first is None else self.first
+                self.last = at
+
+    @property
+    def tpot_s(self) -> float | None:
+        if self.first is None or self.last is None or self.tokens < 2:
+            return None
+        return (self.last - self.first) / (self.tokens - 1)
+
+
+def _carries_text(event: bytes) -> bool:
+    """Whether an SSE event of a (chat) completion stream carries generated text (not the role-only opening,
+    the usage chunk or [DONE])."""
+    for line in event.split(b"\n"):
+        if not line.startswith(b"data:") or line[5:].strip() == b"[DONE]":
+            continue
+        try:
+            choices = json.loads(line[5:]).get("choices") or []
+        except (ValueError, AttributeError):
+            return False
+        for c in choices if isinstance(choices, list) else []:
+            delta = c.get("delta") if isinstance(c, dict) else None
+            if isinstance(c, dict) and c.get("text"):
+                return True
+            if isinstance(delta, dict) and any(delta.get(k) for k in ("content", "reasoning_content", "tool_calls")):
+                return True
+    return False
+
+
 class _InflightCollector:
     """Scrape-time gauges read from the registry, so removed instances vanish and counts never go stale."""
 
@@ -405,7 +466,7 @@ class Gateway:
             registry=self.metrics,
         )
         self.metrics.register(_InflightCollector(self))
-        self.recent: dict[str, deque[tuple[float, float]]] = {}
+        self.recent: dict[str, deque[Answer]] = {}
         self.limiter = RateLimiter(config.rate_limit_rps, config.rate_limit_burst)
         self.upstream_headers = {"Content-Type": "application/json"}
         if config.upstream_api_key:
@@ -477,14 +538,33 @@ class Gateway:
         self.active -= 1
         self.sem.release()
 
-    def record(self, model: str, start: float, first: float | None, outcome: str) -> None:
+    def record(
+        self, model: str, start: float, first: float | None, outcome: str, first_token: float | None = None,
+        tpot_s: float | None = None,
+    ) -> None:
+        """Count a client request; time an answered one: `first` = its first byte (None: not streamed),
+        `first_token` = its first token when known, `tpot_s` its mean time per output token when streamed
+        (all perf_counter seconds)."""
         self.requests.labels(model, outcome).inc()
         if outcome == "ok":
             now = time.perf_counter()
             self.latency.labels(model).observe(now - start)
             ttft = (first or now) - start
             self.ttft.labels(model).observe(ttft)
-            self.recent.setdefault(model, deque(maxlen=4096)).append((now - start, ttft))
+            token = None if first_token is None else first_token - start
+            self.recent.setdefault(model, deque(maxlen=4096)).append(Answer(now - start, ttft, token, tpot_s))
+
+    def client_requests(self) -> dict[str, dict[str, float]]:
+        """Client requests so far per model (of the plan) and outcome: each request once, however many
+        instances (prefill, decode, retries) it went to."""
+        out: dict[str, dict[str, float]] = {}
+        for metric in self.requests.collect():
+            for sample in metric.samples:
+                model = sample.labels.get("model", "")
+                if sample.name.endswith("_total") and model not in ("", UNKNOWN_MODEL):
+                    by = out.setdefault(model, {})
+                    by[sample.labels["outcome"]] = by.get(sample.labels["outcome"], 0.0) + sample.value
+        return out
 
     # --- upstream calls -----------------------------------------------------------------------------
     def _fail(self, ep: Endpoint, exc: BaseException | None) -> None:
@@ -592,7 +672,10 @@ class Gateway:
     def state(self) -> dict[str, Any]:
         """JSON-able view for dashboards: instances with counters, planned share (weight among the routable
         instances of its pool), planned tokens/s per request class (`class_weights`, None: every class) and
-        observed share (of requests served by the pool), latency percentiles."""
+        observed share (of requests served by the pool); per model the client requests (`requests`, each once;
+        `errors` of them not answered) and, over the last answers (`count`), percentiles of the end-to-end
+        latency (`p50_ms`, `p99_ms`), of the time to the first token (`ttft_p50_ms`, ...: streamed answers and
+        PD prefills) and of the time per output token (`tpot_p50_ms`, ...: streamed answers)."""
         eps = self.registry.all()
         instances = []
         for e in eps:
@@ -617,17 +700,20 @@ class Gateway:
                     "observed_share": e.served / served if served else 0.0,
                 }
             )
-        latency = {}
-        for model, rec in self.recent.items():
-            e2e = sorted(r[0] for r in rec)
-            ttft = sorted(r[1] for r in rec)
-            latency[model] = {
-                "count": len(e2e),
-                "p50_ms": 1e3 * _pct(e2e, 0.5),
-                "p99_ms": 1e3 * _pct(e2e, 0.99),
-                "ttft_p50_ms": 1e3 * _pct(ttft, 0.5),
-                "ttft_p99_ms": 1e3 * _pct(ttft, 0.99),
-            }
+        latency: dict[str, dict[str, float]] = {}
+        asked = self.client_requests()
+        for model in sorted(set(asked) | set(self.recent)):
+            rec = list(self.recent.get(model, ()))
+            by = asked.get(model, {})
+            row = latency[model] = {"requests": sum(by.values()), "errors": sum(v for k, v in by.items() if k != "ok"),
+                                    "count": len(rec)}
+            for key, values in (("", [r.e2e_s for r in rec]),
+                                ("ttft_", [r.first_token_s for r in rec if r.first_token_s is not None]),
+                                ("tpot_", [r.tpot_s for r in rec if r.tpot_s is not None])):
+                if values:
+                    values.sort()
+                    row[f"{key}p50_ms"] = 1e3 * _pct(values, 0.5)
+                    row[f"{key}p99_ms"] = 1e3 * _pct(values, 0.99)
         return {
             "instances": instances,
             "latency": latency,
@@ -837,6 +923,7 @@ def create_gateway_app(
         cls = registry.class_of(model, prompt_tokens(body))
         ids = {"x-request-id": rid}
         handed_off = False
+        prefilled_at: float | None = None  # when the prefill instance answered: the first token is made
         try:
             upstream = raw  # forwarded as received unless the PD path adds the KV-transfer parameters
             if prefill_first:
@@ -848,6 +935,7 @@ def create_gateway_app(
                     pre_body = json.dumps(pre).encode()
                     pre_budget = answer_budget(gw.config, model, body, prefill_only=True)
                     status, answer, _ = await gw.call(model, "prefill", path, pre_body, rid, pre_budget, cls)
+                    prefilled_at = time.perf_counter()
                 except UpstreamError as exc:  # no prefill instance answered: the decode instance prefills locally
                     if exc.status == 504:  # ... unless one took the request and timed out: not sent elsewhere
                         raise
@@ -865,17 +953,19 @@ def create_gateway_app(
             budget = answer_budget(gw.config, model, body, prefill_only=False)
             if not body.get("stream"):
                 status, answer, ep = await gw.call(model, answer_phase, path, upstream, rid, budget, cls)
-                gw.record(model, start, None, "ok" if status < 400 else "error")
+                gw.record(model, start, None, "ok" if status < 400 else "error", prefilled_at)
                 return Response(
                     answer, status, media_type="application/json", headers={**ids, "x-coral-instance": ep.id}
                 )
             ep, resp, chunks = await gw.open_stream(model, answer_phase, path, upstream, rid, budget, cls)
             first_at = time.perf_counter()
             outcome = {"ok": False, "done": False}
+            clock = TokenClock()
 
             async def relay() -> AsyncIterator[bytes]:
                 try:
                     async for chunk in chunks:
+                        clock.feed(chunk, time.perf_counter())
                         yield chunk
                     outcome["ok"] = resp.status_code < 400
                 except TimeoutError:  # stalled mid-answer: cut, and the instance gets no requests for a while
@@ -891,7 +981,7 @@ def create_gateway_app(
                 outcome["done"] = True
                 registry.release(ep, outcome["ok"])
                 gw.upstream.labels(ep.id, ep.phase, "ok" if outcome["ok"] else "error").inc()
-                gw.record(model, start, first_at, "ok" if outcome["ok"] else "error")
+                gw.record(model, start, first_at, "ok" if outcome["ok"] else "error", clock.first, clock.tpot_s)
                 gw.leave()
                 await resp.aclose()
 

@@ -12,8 +12,9 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import os
-import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -55,19 +56,52 @@ def changed_parts(library: TemplateLibrary, scenario: Scenario, catalog: Catalog
     return [k for k in want if have.get(k) != want[k] and not (custom and k == "perf")]
 
 
+#: (size, seconds on 2 cores) of two builds, size = node combinations of up to n_max nodes x (model, phase)s:
+#: core (18,563 x 6) in about 4 s and extended (230,229 x 12) in about 5 minutes, numba's compiled code cached
+BUILD_REFERENCE = ((111_378, 4.0), (2_762_748, 300.0))
+
+
+def build_estimate_s(scenario: Scenario, workers: int | None = None) -> float:
+    """Rough seconds a library build of `scenario` takes on `workers` processes (default: every core), from its
+    size, on the power law through BUILD_REFERENCE (larger scenarios also have larger models)."""
+    (small, t_small), (large, t_large) = BUILD_REFERENCE
+    size = (math.comb(len(scenario.configs) + scenario.n_max, scenario.n_max) - 1) * 2 * len(scenario.models)
+    power = math.log(t_large / t_small) / math.log(large / small)
+    return t_small * (size / small) ** power * 2 / max(1, workers or os.cpu_count() or 1)
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.0f} minutes"
+
+
 def load_library(scenario: str, out: Path, catalog: Catalog | None = None) -> TemplateLibrary:
     """The scenario's library from `out/<scenario>.templates.sqlite`; built and cached when missing, rebuilt
-    (saying which inputs changed) when its fingerprint differs from the scenario's."""
+    when its fingerprint differs from the scenario's. Before a build it says on stderr that it builds, why
+    (missing, or which inputs changed) and about how long it takes, and shows a spinner with the time spent."""
+    from rich.console import Console
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
     from coral.templates.build import build_library
 
     sc = load_scenario(scenario, catalog)
     path = out / f"{Path(scenario).stem}.templates.sqlite"
+    why = f"{path} is missing"
     if path.exists():
         lib = TemplateLibrary.load(path)
         changed = changed_parts(lib, sc, catalog)
         if not changed:
             return lib
-        print(f"{path}: built for other inputs ({', '.join(changed)} changed); rebuilding", file=sys.stderr)
-    lib = build_library(sc, catalog, workers=os.cpu_count(), progress=True)
+        why = f"{path} was built for other inputs ({', '.join(changed)} changed)"
+    err = Console(stderr=True, soft_wrap=True)
+    workers = os.cpu_count() or 1
+    err.print(f"building the template library of {sc.name} ({why}); expected about "
+              f"{_duration(build_estimate_s(sc, workers))} on {workers} cores (more the first time on a machine, "
+              f"while numba compiles the placement solver); once: it is cached in {path}")
+    columns = (SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn())
+    t0 = time.perf_counter()
+    with Progress(*columns, console=err, transient=True, disable=not err.is_terminal) as bar:
+        bar.add_task(f"building the template library of {sc.name}", total=None)
+        lib = build_library(sc, catalog, workers=workers)
     lib.save(path)
+    err.print(f"built {len(lib):,} templates in {time.perf_counter() - t0:.1f} s (build and save) -> {path}")
     return lib

@@ -63,6 +63,19 @@ class RequestSet:
         return RequestSet(self.arrival_s[keep], self.input_tokens[keep], self.output_tokens[keep], self.source)
 
 
+def thinned(requests: Mapping[str, RequestSet], share: float | Mapping[str, float], seed: int
+            ) -> dict[str, RequestSet]:
+    """Each model's requests kept independently with probability `share` (one for all models, or per model;
+    a model missing from the mapping keeps all), seeded."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    for m, r in requests.items():
+        p = share if isinstance(share, float | int) else share.get(m, 1.0)
+        keep = rng.random(len(r)) < p
+        out[m] = RequestSet(r.arrival_s[keep], r.input_tokens[keep], r.output_tokens[keep], r.source)
+    return out
+
+
 def _make(arrival: np.ndarray, inp: np.ndarray, out: np.ndarray, source: str) -> RequestSet:
     order = np.argsort(arrival, kind="stable")
     t = np.asarray(arrival, dtype=float)[order]
@@ -272,7 +285,10 @@ def superpose(requests: RequestSet, rate: float, duration_s: float, seed: int) -
 
 
 def shipped_path(trace: str) -> Path:
-    """File of a shipped trace named in scenario files (`azure-code`, `azure-conversation`, `burstgpt`)."""
+    """File of a shipped trace named in scenario files (`azure-code`, `azure-conversation`, `burstgpt`); an
+    unknown name is a CoralInputError listing them."""
+    if trace not in SHIPPED_TRACES:
+        raise CoralInputError(f"{trace!r} is not a shipped trace; shipped: {', '.join(SHIPPED_TRACES)}")
     return data_path("traces", *SHIPPED_TRACES[trace].split("/"))
 
 

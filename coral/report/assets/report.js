@@ -149,10 +149,13 @@
       h("div", { class: "value", id: id, "data-value": dataValue }, value), hint ? h("div", { class: "hint" }, hint) : null);
   }
 
-  // headers: the first `nLeft` columns are left-aligned text, the rest right-aligned numbers.
-  function table(headers, rows, id, nLeft) {
+  // headers: the first `nLeft` columns (and those at the indices in `left`) are left-aligned text, the rest
+  // right-aligned numbers.
+  function table(headers, rows, id, nLeft, left) {
     return h("div", { class: "tablewrap" }, h("table", { id: id },
-      h("thead", null, h("tr", null, headers.map(function (x, k) { return h("th", { class: k < (nLeft || 1) ? "l" : null }, x); }))),
+      h("thead", null, h("tr", null, headers.map(function (x, k) {
+        return h("th", { class: k < (nLeft || 1) || (left || []).indexOf(k) >= 0 ? "l" : null }, x);
+      }))),
       h("tbody", null, rows)));
   }
 
@@ -163,7 +166,7 @@
     if (sm.solve_words) bits.push(sm.solve_words);
     else if (sv.status) bits.push("solver " + sv.status + (sv.time_s ? " in " + fixed(sv.time_s, 2) + " s" : ""));
     if (sm.created_at) bits.push(sm.created_at);
-    return h("header", null, h("h1", null, vm.title),
+    return h("header", null, h("h1", { id: "title", "data-engine": sm.engine }, vm.title),
       h("div", { class: "sub" }, cfg.poll_url ? [h("i", { class: "live-dot" + (status.ok ? "" : " off") }),
         (status.ok ? "live · updated " : "disconnected · last update ") + status.at + " · "] : null, bits.join(" · ")),
       (sv.notes || []).length ? h("details", { class: "solver-note" }, h("summary", null, "solver details"),
@@ -180,10 +183,19 @@
     if (cmp) cmp.rows.slice(1).forEach(function (r) {
       var better = r.ratio >= 1;
       cards.push(kpi("vs " + r.method, fixed(better ? r.ratio : 1 / r.ratio, 2) + "× " + (better ? "cheaper" : "dearer"),
-        money(r.cost_per_hour) + ", serves " + pct(r.min_served_fraction), "ratio-" + r.method, r.ratio));
+        [money(r.cost_per_hour) + " · ", attainmentText(r), " · serves " + pct(r.min_served_fraction)],
+        "ratio-" + r.method, r.ratio));
     });
-    if (vm.live) cards.push(kpi("In flight", qty(vm.live.total_inflight), qty(vm.live.total_requests) + " requests so far", "inflight", vm.live.total_inflight));
+    if (vm.live) cards.push(kpi("In flight", qty(vm.live.total_inflight), [h("span", { id: "total-requests",
+      "data-value": vm.live.total_requests }, qty(vm.live.total_requests)), " client requests so far"], "inflight", vm.live.total_inflight));
     return h("section", { class: "kpis" }, cards);
+  }
+
+  // "87.3% within SLOs" with a pass/fail badge, or why it is not known.
+  function attainmentText(r) {
+    if (r.attainment === null || r.attainment === undefined) return h("span", { class: "attainment" }, "SLO attainment not measured");
+    return h("span", { class: "attainment", "data-value": r.attainment, title: r.attainment_source },
+      pct(r.attainment) + " within SLOs ", passBadge(r.attainment_pass));
   }
 
   function passBadge(ok) {
@@ -194,8 +206,10 @@
   function sloSection(vm, live) {
     var slo = vm.slo;
     if (!slo) return null;
+    var mixed = slo.models.some(function (r) { return r.target !== slo.target; });
     var rows = slo.models.map(function (r) {
       return h("tr", { "data-model": r.model }, h("td", null, r.model),
+        mixed ? h("td", { class: "target", "data-value": r.target }, pct(r.target)) : null,
         h("td", null, ms(r.slo_ttft_ms)), h("td", { class: "att" }, pct(r.ttft_attainment), " ", passBadge(r.ttft_pass)),
         h("td", null, ms(r.slo_tpot_ms)), h("td", { class: "att" }, pct(r.tpot_attainment), " ", passBadge(r.tpot_pass)),
         h("td", { class: "att" }, pct(r.attainment), " ", passBadge(r.pass)));
@@ -203,9 +217,13 @@
     var head = slo.overall === null ? null : h("div", { class: "slo-overall", id: "slo-overall", "data-value": slo.overall },
       "Overall: ", h("b", null, pct(slo.overall)), " of requests met both SLOs ", passBadge(slo.overall_pass));
     return h("section", { id: "slo" }, h("h2", null, live ? "SLO attainment (measured)" : "SLO attainment (simulated)"), head,
-      h("div", { class: "sub", style: "margin-bottom:6px" }, "pass: at least " + pct(slo.target) +
-        " of a model's requests within the SLO (TTFT: time to first token; TPOT: mean time per output token)"),
-      table(["Model", "TTFT SLO", "Within TTFT SLO", "TPOT SLO", "Within TPOT SLO", "Both SLOs"], rows, "slo-table"));
+      h("div", { class: "sub", style: "margin-bottom:6px" }, "pass: at least ",
+        h("b", { id: "slo-target", "data-value": slo.target }, pct(slo.target)),
+        mixed ? " (the strictest; each model's target in the table)" : "",
+        " of a model's requests within the SLO, the plan's attainment target (TTFT: time to first token; TPOT: mean " +
+        "time per output token)"),
+      table(["Model"].concat(mixed ? ["Target"] : [], ["TTFT SLO", "Within TTFT SLO", "TPOT SLO", "Within TPOT SLO", "Both SLOs"]),
+        rows, "slo-table"));
   }
 
   function methodsSection(vm) {
@@ -232,6 +250,28 @@
     });
     return h("div", null, h("h3", null, "Demand assumptions (from the scenario)"),
       table(["Model", "Rate", "Mean prompt tokens", "Mean output tokens", "TTFT SLO", "TPOT SLO", "Trace"], rows, "demand"));
+  }
+
+  // What to rent: one row per cloud instance type and region, with the plan instances that use it.
+  function bomSection(vm) {
+    var b = vm.bom;
+    if (!b) return null;
+    var rows = b.rows.map(function (r) {
+      return h("tr", { "data-instance-type": r.instance_type, "data-region": r.region }, h("td", null, r.cloud),
+        h("td", { class: "l" }, r.region), h("td", { class: "l" }, r.instance_type), h("td", { class: "l" }, r.gpu + " × " + r.gpus_per_node),
+        h("td", { class: "count" }, String(r.count)), h("td", { class: "each", "data-value": r.price_per_hour }, "$" + fixed(r.price_per_hour, 4)),
+        h("td", { class: "total", "data-value": r.total_per_hour }, money(r.total_per_hour)),
+        h("td", { class: "l", title: r.instances.join("\n") }, r.used_by));
+    });
+    rows.push(h("tr", { class: "total-row" }, h("td", null, h("b", null, "Total")), h("td", null), h("td", null), h("td", null),
+      h("td", { id: "bom-count", "data-value": b.count }, h("b", null, String(b.count))), h("td", null),
+      h("td", { id: "bom-total", "data-value": b.total_per_hour }, h("b", null, money(b.total_per_hour))), h("td", null)));
+    var check = b.matches_plan ? h("div", { class: "sub", id: "bom-check" }, "The total equals the plan's cost, " +
+      money(b.plan_cost_per_hour) + " (prices: " + b.offerings + ").") :
+      h("div", { class: "short", id: "bom-check" }, b.notes.map(function (n) { return h("div", null, n); }));
+    return h("section", { id: "bom" }, h("h2", null, "What to rent"),
+      table(["Cloud", "Region", "Instance type", "GPU × per node", "Count", "$/h each", "$/h total", "Used by"], rows, "bom-table", 4, [7]),
+      check);
   }
 
   function servingSection(vm) {
@@ -267,6 +307,8 @@
       return h("tr", { "data-method": r.method }, h("td", null, r.method),
         cmp.models.map(function (m) { return h("td", null, money(r.by_model[m])); }),
         h("td", { class: r.min_served_fraction < 0.999 ? "short" : null }, pct(r.min_served_fraction)),
+        h("td", { class: r.attainment_pass === false ? "short" : null, "data-value": r.attainment, title: r.attainment_source },
+          pct(r.attainment)),
         h("td", { "data-value": r.cost_per_hour }, money(r.cost_per_hour)),
         h("td", null, r.ratio === null ? "–" : fixed(r.ratio, 2) + "×"));
     });
@@ -282,7 +324,7 @@
     });
     return h("section", null, h("h2", null, "Comparison with baselines"),
       h("div", { class: "cmp" }, h("div", { class: "card" }, h("h3", null, "Total cost per method"), bars),
-        table(["Method"].concat(cmp.models, ["Served", "Total", "vs " + cmp.rows[0].method]), rows, "comparison")),
+        table(["Method"].concat(cmp.models, ["Served", "Within SLOs", "Total", "vs " + cmp.rows[0].method]), rows, "comparison")),
       methodsSection(vm), saving.length ? h("div", { class: "grid2", style: "margin-top:14px" }, saving) : null);
   }
 
@@ -343,6 +385,13 @@
       })) : h("div", { class: "empty" }, "the plan has no instances"));
   }
 
+  // The gateway's latency summary columns, in this order, with their headers; other numeric keys follow.
+  var LATENCY_COLUMNS = [["requests", "Requests"], ["errors", "Errors"], ["count", "Window"], ["p50_ms", "e2e p50"],
+    ["p99_ms", "e2e p99"], ["ttft_p50_ms", "TTFT p50"], ["ttft_p99_ms", "TTFT p99"], ["tpot_p50_ms", "TPOT p50"],
+    ["tpot_p99_ms", "TPOT p99"]];
+  var LATENCY_LABELS = {};
+  LATENCY_COLUMNS.forEach(function (c) { LATENCY_LABELS[c[0]] = c[1]; });
+
   function liveSection(vm) {
     var lv = vm.live;
     if (!lv) return null;
@@ -355,12 +404,17 @@
         barChart(t.shares.map(function (x) { return { label: x.id.split(".").slice(-2).join("."), value: x.share }; }), pct,
           { width: 300 }));
     });
-    var lat = lv.latency_summary || [], cols = [];
+    var lat = lv.latency_summary || [], cols = LATENCY_COLUMNS.filter(function (c) {
+      return lat.some(function (r) { return r[c[0]] !== undefined; });
+    }).map(function (c) { return c[0]; });
     lat.forEach(function (r) { Object.keys(r).forEach(function (k) { if (k !== "model" && cols.indexOf(k) < 0) cols.push(k); }); });
     var latTable = lat.length ? h("div", { style: "margin-top:14px" }, h("h3", null, "Recent latency"),
-      table(["Model"].concat(cols.map(function (k) { return k.replace(/_/g, " "); })), lat.map(function (r) {
+      h("div", { class: "sub", style: "margin-bottom:6px" }, "requests: client requests, each counted once; " +
+        "percentiles over the last answers (window): end-to-end, time to first token (streamed answers and " +
+        "prefill-decode requests) and time per output token (streamed answers)"),
+      table(["Model"].concat(cols.map(function (k) { return LATENCY_LABELS[k] || k.replace(/_/g, " "); })), lat.map(function (r) {
         return h("tr", { "data-model": r.model }, h("td", null, r.model), cols.map(function (k) {
-          return h("td", null, r[k] === undefined ? "–" : (/_ms$/.test(k) ? ms(r[k]) : qty(r[k])));
+          return h("td", { "data-key": k, "data-value": r[k] }, r[k] === undefined ? "–" : (/_ms$/.test(k) ? ms(r[k]) : qty(r[k])));
         }));
       }), "live-latency")) : null;
     return h("section", { id: "live" }, h("h2", null, "Runtime"),
@@ -407,8 +461,8 @@
       var stats = "p50 " + ms(c.p50) + " · p90 " + ms(c.p90) + " · p99 " + ms(c.p99) + " · n=" + c.n;
       return h("div", { class: "card latency", "data-model": c.model, "data-metric": c.metric },
         h("h3", null, c.model + " · " + name), h("div", { class: "sub" }, stats),
-        c.slo_ms !== null ? h("div", { class: c.attainment < 0.99 ? "short" : "sub" },
-          pct(c.attainment) + " within the " + ms(c.slo_ms) + " SLO") : null,
+        c.slo_ms !== null ? h("div", { class: (c.attainment < c.target ? "short" : "sub") + " within", "data-value": c.attainment,
+          "data-target": c.target }, pct(c.attainment) + " within the " + ms(c.slo_ms) + " SLO (target " + pct(c.target) + ")") : null,
         lineChart([{ name: name, color: "#2f6fdf", points: pts }], {
           step: true, xmin: 0, ymin: 0, ymax: 1, yfmt: function (v) { return fixed(100 * v, 0) + "%"; },
           xlabel: name + " (ms)" + (clipped ? ", tail past " + ms(xmax) + " not shown" : ""),
@@ -448,7 +502,8 @@
     }
     return h("section", { id: "timeseries" }, h("h2", null, title || "Over time"),
       legend(models.map(function (m, k) { return { label: m, color: color(k) }; })),
-      h("div", { class: "sub", style: "margin-bottom:6px" }, ts.queue_label ? "one point per refresh (about every " + qty(ts.bin_s) + " s)" :
+      h("div", { class: "sub", style: "margin-bottom:6px" }, ts.queue_label ? "sampled on the server about every " + qty(ts.bin_s) +
+        " s; the last " + qty(ts.keep_s / 60) + " min kept" :
         "bins of " + qty(ts.bin_s) + " s; latency of the requests arriving in each bin"),
       h("div", { class: "grid2" }, chart("rate", "Request rate (req/s)", null), chart("queue", ts.queue_label || "Queue depth (arrived, not yet decoding)", null),
         chart("ttft_p99_ms", "p99 TTFT (ms)", null, "slo_ttft_ms"), chart("tpot_p99_ms", "p99 TPOT (ms)", null, "slo_tpot_ms")));
@@ -457,10 +512,12 @@
   function render(vm, cfg, status) {
     var app = document.getElementById("app");
     var notes = vm.notes && vm.notes.length ? h("div", { class: "notes" }, vm.notes.map(function (n) { return h("div", null, n); })) : null;
-    var view = h("div", null, header(vm, cfg, status), notes, sloSection(vm, !!cfg.poll_url), kpis(vm), liveSection(vm),
+    var live = !!cfg.poll_url;  // the dashboard leads with the runtime; the report with what to rent
+    var view = h("div", null, header(vm, cfg, status), notes, live ? null : bomSection(vm), sloSection(vm, live), kpis(vm),
+      liveSection(vm),
       h("section", null, h("h2", null, "Plan"), demandSection(vm), h("div", { style: "height:14px" }), servingSection(vm),
         h("div", { style: "height:14px" }), costSection(vm)),
-      comparisonSection(vm), instancesSection(vm), timeseriesSection(vm, cfg.poll_url ? "Live over time" : null),
+      live ? bomSection(vm) : null, comparisonSection(vm), instancesSection(vm), timeseriesSection(vm, cfg.poll_url ? "Live over time" : null),
       epochsSection(vm), latencySection(vm));
     app.replaceChildren(view);
     document.title = vm.title;

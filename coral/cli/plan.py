@@ -1,0 +1,88 @@
+"""`coral plan bom`: what to rent for a plan (cloud, region, instance type, count, $/h)."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import typer
+
+from coral.cli.common import console, err_console, friendly_errors
+
+if TYPE_CHECKING:
+    from coral.deploy.bom import BillOfMaterials
+    from coral.report.terminal import FoldingTable
+
+plan_app = typer.Typer(help="Look into a plan: what to rent for it.", no_args_is_help=True)
+
+
+class BomFormat(StrEnum):
+    table = "table"
+    csv = "csv"
+    json = "json"
+
+
+def register(app: typer.Typer) -> None:
+    """Add `coral plan ...` to the root app."""
+    app.add_typer(plan_app, name="plan")
+
+
+def bom_table(bom: BillOfMaterials) -> FoldingTable:
+    """The bill as a rich table with the total in its footer."""
+    from coral.report.terminal import FoldingTable
+
+    table = FoldingTable(title=f"What to rent: {bom.scenario} · {bom.method} (prices: {bom.offerings})",
+                         show_footer=True)
+    for col, footer in (("cloud", "total"), ("region", ""), ("instance type", ""), ("GPU × per node", "")):
+        table.add_column(col, footer=footer)
+    table.add_column("count", justify="right", footer=str(sum(r.count for r in bom.rows)))
+    table.add_column("$/h each", justify="right")
+    table.add_column("$/h total", justify="right", footer=f"${bom.total_per_hour:,.2f}")
+    table.add_column("plan instances")
+    verdict = "equals" if bom.matches_plan else "differs from"
+    table.caption = f"the total {verdict} the plan's ${bom.plan_cost_per_hour:,.2f}/h"
+    for r in bom.rows:
+        table.add_row(r.cloud, r.region, r.instance_type, f"{r.gpu} × {r.gpus_per_node}", str(r.count),
+                      f"${r.price_per_hour:,.4g}", f"${r.total_per_hour:,.2f}", "\n".join(r.instances))
+    return table
+
+
+@plan_app.command("bom")
+@friendly_errors
+def bom_cmd(
+    plan: Path = typer.Argument(..., help="plan JSON (from `coral allocate`)"),
+    offerings: Path | None = typer.Option(
+        None, "--offerings", help="offerings file to price at (default: the plan's scenario's, else the shipped one)"
+    ),
+    fmt: BomFormat = typer.Option(BomFormat.table, "--format", help="table | csv | json"),
+    out: Path | None = typer.Option(None, "--out", "-o", help="write the bill here instead of printing it"),
+) -> None:
+    """Bill of materials: the cloud instances a plan rents, with counts, $/h each and in total."""
+    from rich.console import Console
+
+    from coral.allocation.plan import Plan
+    from coral.deploy.bom import bill_of_materials, plan_market
+
+    the_plan = Plan.load(plan)
+    catalog, source = plan_market(the_plan, offerings)
+    bom = bill_of_materials(the_plan, catalog, source)
+    if fmt is BomFormat.table:
+        if out is None:
+            console.print(bom_table(bom))
+        else:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            with out.open("w") as fh:
+                Console(file=fh, width=160).print(bom_table(bom))
+    else:
+        text = bom.to_csv() if fmt is BomFormat.csv else bom.model_dump_json(indent=2) + "\n"
+        if out is None:
+            typer.echo(text, nl=False)
+        else:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(text)
+    if out is not None:
+        console.print(f"[green]wrote[/] {out}: {sum(r.count for r in bom.rows)} instance(s), "
+                      f"${bom.total_per_hour:,.2f}/h")
+    for note in bom.notes:
+        err_console.print(f"[yellow]warning:[/] {note}")

@@ -1,0 +1,67 @@
+"""Test tiers: one line per tier after collection saying whether it runs, was not selected, or cannot run here.
+
+The default run (`python -m pytest`, pyproject's `addopts`) is the fast tier: everything not marked `slow`,
+`vllm` or `browser`. `-m slow`, `-m vllm`, `-m browser` select a tier; `-m ""` runs them all (`.ci/run`). A
+selected tier whose tool is missing is named with the command that installs it, rather than skipped silently.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from sky_check import INSTALL_HINT, sky_python
+
+
+@dataclass(frozen=True)
+class Tier:
+    marker: str
+    needs: str
+    install: str
+    found: Callable[[], str | None]  # what runs the tier here, or None when missing
+
+
+def _vllm() -> str | None:
+    from coral import vllm_cpu
+
+    python = vllm_cpu.vllm_python()
+    version = vllm_cpu.installed_version(python)
+    return None if version is None else f"vllm {version} ({python})"
+
+
+def _chromium() -> str | None:
+    from coral.report.browser import chromium_binary
+
+    return chromium_binary()
+
+
+TIERS = (
+    Tier("slow", "", "", lambda: "this Python"),
+    Tier("vllm", "vLLM's CPU build not found", "python -m coral.vllm_cpu (~8 min, 3.5 GB)", _vllm),
+    Tier("browser", "chromium not installed", "bash .ci/install-browser", _chromium),
+)
+SKY_CHECK_TEST = "test_skypilot_services_pass_sky_serve_up_checks"
+
+
+def _status(selected: int, found: str | None, needs: str, install: str, select: str) -> str:
+    if not selected:
+        return f"not selected ({select})"
+    if found is None:
+        return f"skipped, {needs} — run {install}"
+    return f"runs {selected} test(s) with {found}"
+
+
+def pytest_report_collectionfinish(config: pytest.Config, start_path: Path, items: list[pytest.Item]) -> list[str]:
+    """One line per tier: runs / not selected / skipped and how to install what it needs."""
+    marked = {t.marker: [i for i in items if i.get_closest_marker(t.marker)] for t in TIERS}
+    fast = sum(1 for i in items if not any(i.get_closest_marker(t.marker) for t in TIERS))
+    lines = [f"fast tier: {_status(fast, 'this Python', '', '', 'the default run')}"]
+    for t in TIERS:
+        n = len(marked[t.marker])
+        lines.append(f"{t.marker} tier: {_status(n, t.found() if n else None, t.needs, t.install, f'pytest -m {t.marker}')}")
+    sky = sum(1 for i in items if i.name.startswith(SKY_CHECK_TEST))
+    if sky:
+        lines.append(f"skypilot check: {_status(sky, sky_python(), 'SkyPilot not installed', INSTALL_HINT, '')}")
+    return lines

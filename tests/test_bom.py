@@ -1,0 +1,123 @@
+"""Bill of materials: a hand-made plan checked by hand, core's allocated plan, other markets, and `coral plan bom`."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from coral.allocation.plan import Plan, PlanInstance
+from coral.catalog.loader import builtin_catalog, load_offerings
+from coral.cli.main import app
+from coral.deploy.bom import BillOfMaterials, bill_of_materials, plan_market
+from coral.report.examples import make_plan
+
+EAST, SEOUL = "aws-us-east-2", "aws-ap-northeast-2"
+
+
+def offer(region: str, instance_type: str, gpu: str, per_node: int, price: float) -> dict[str, object]:
+    return {"cloud": "aws", "region": region, "instance_type": instance_type, "gpu": gpu, "gpus_per_node": per_node,
+            "price_per_hour": price, "vcpus": 4, "host_memory_gb": 16, "nic_gbps": 10, "price_date": "2026-12",
+            "source": "test"}
+
+
+@pytest.fixture
+def market(tmp_path: Path) -> Path:
+    """Round prices; two shapes offer 1xL4 in us-east-2 (the cheaper one is rented)."""
+    path = tmp_path / "offerings.yaml"
+    path.write_text(yaml.safe_dump({"schema_version": 1, "offerings": [
+        offer(EAST, "g6.xlarge", "L4", 1, 1.0),
+        offer(EAST, "g6.2xlarge", "L4", 1, 1.5),
+        offer(EAST, "g6.12xlarge", "L4", 4, 5.0),
+        offer(SEOUL, "g6e.xlarge", "L40S", 1, 2.0),
+    ]}))
+    return path
+
+
+def instance(model: str, phase: str, region: str, stages: list[list[str]], cost: float, k: int = 0) -> PlanInstance:
+    return PlanInstance.of_stages(model, phase, 1, region, k, [(10, s, [1.0] * len(s)) for s in stages], 1.0, cost)
+
+
+def hand_plan() -> Plan:
+    """Priced by hand at `market`: 2x1xL4 + 4xL4 = $7, 1xL4 = $1 (twice), 1xL40S = $2; $11/h in all."""
+    return make_plan("coral", [
+        instance("phi-4", "prefill", EAST, [["1xL4", "1xL4"], ["4xL4"]], 7.0),
+        instance("phi-4", "decode", EAST, [["1xL4"]], 1.0, 0),
+        instance("phi-4", "decode", EAST, [["1xL4"]], 1.0, 1),
+        instance("qwen3-32b", "decode", SEOUL, [["1xL40S"]], 2.0),
+    ])
+
+
+def test_hand_made_plan_by_hand(market: Path) -> None:
+    plan = hand_plan()
+    bom = bill_of_materials(plan, load_offerings(market), str(market))
+    rows = [(r.region, r.instance_type, r.gpu, r.gpus_per_node, r.count, r.price_per_hour, r.total_per_hour)
+            for r in bom.rows]
+    assert rows == [
+        (SEOUL, "g6e.xlarge", "L40S", 1, 1, 2.0, 2.0),
+        (EAST, "g6.xlarge", "L4", 1, 4, 1.0, 4.0),  # the cheaper of the two 1xL4 shapes
+        (EAST, "g6.12xlarge", "L4", 4, 1, 5.0, 5.0),
+    ]
+    assert bom.rows[1].instances == [plan.instances[0].id, plan.instances[1].id, plan.instances[2].id]
+    assert bom.rows[2].instances == [plan.instances[0].id]
+    assert bom.total_per_hour == 11.0 == plan.cost_per_hour and bom.matches_plan and bom.notes == []
+
+
+def test_core_plan_total_equals_its_cost() -> None:
+    """The allocator's plan for core (built library, shipped offerings) rents exactly what it costs."""
+    from coral.allocation.allocator import allocate
+    from coral.catalog.loader import load_scenario
+    from coral.templates.build import build_library
+
+    sc = load_scenario("core")
+    plan = allocate(build_library(sc, workers=1), sc, time_limit=30)
+    catalog, source = plan_market(plan)
+    assert source == "the shipped offerings"
+    bom = bill_of_materials(plan, catalog, source)
+    assert bom.total_per_hour == pytest.approx(plan.cost_per_hour, rel=1e-9) and bom.matches_plan
+    assert sum(r.count for r in bom.rows) == sum(i.n_nodes for i in plan.instances)
+    used = {iid for r in bom.rows for iid in r.instances}
+    assert used == {i.id for i in plan.instances}
+
+
+def test_a_plan_priced_elsewhere_is_named(market: Path) -> None:
+    """At the shipped prices the hand-made plan's instances cost other amounts; a node config the offerings lack
+    in a region is named, not guessed."""
+    plan = hand_plan()
+    bom = bill_of_materials(plan, builtin_catalog())
+    assert not bom.matches_plan and bom.total_per_hour != pytest.approx(plan.cost_per_hour)
+    assert "4 instance(s)" in bom.notes[0] and "different market file" in bom.notes[0]
+    lonely = make_plan("coral", [instance("phi-4", "decode", SEOUL, [["1xL4"]], 1.0)])
+    bom = bill_of_materials(lonely, load_offerings(market), "test.yaml")
+    assert bom.rows == [] and not bom.matches_plan
+    assert bom.notes[0].startswith(f"no offering of 1xL4 in {SEOUL} in test.yaml")
+
+
+def test_cli_formats_parse_and_agree(market: Path, tmp_path: Path) -> None:
+    plan_path = hand_plan().save(tmp_path / "plan.json")
+    runner = CliRunner()
+    out = runner.invoke(app, ["plan", "bom", str(plan_path), "--offerings", str(market), "--format", "csv"])
+    assert out.exit_code == 0, out.output
+    rows = list(csv.DictReader(io.StringIO(out.stdout)))
+    assert [(r["instance_type"], int(r["count"]), float(r["total_per_hour"])) for r in rows] == [
+        ("g6e.xlarge", 1, 2.0), ("g6.xlarge", 4, 4.0), ("g6.12xlarge", 1, 5.0)]
+    assert len(rows[1]["instances"].split()) == 3
+    target = tmp_path / "bom.json"
+    out = runner.invoke(app, ["plan", "bom", str(plan_path), "--offerings", str(market), "--format", "json",
+                              "--out", str(target)])
+    assert out.exit_code == 0, out.output
+    bom = BillOfMaterials.model_validate(json.loads(target.read_text()))
+    assert bom.total_per_hour == 11.0 and bom.matches_plan and f"wrote {target}" in out.stdout
+    table = runner.invoke(app, ["plan", "bom", str(plan_path), "--offerings", str(market)], env={"COLUMNS": "200"})
+    assert table.exit_code == 0 and "What to rent" in table.stdout and "$11.00" in table.stdout
+    assert "equals the plan's $11.00/h" in table.stdout
+    shipped = runner.invoke(app, ["plan", "bom", str(plan_path), "--format", "json"])
+    assert shipped.exit_code == 0 and "different market file" in shipped.stderr
+    assert json.loads(shipped.stdout)["matches_plan"] is False
+    missing = runner.invoke(app, ["plan", "bom", str(tmp_path / "nope.json")])
+    assert missing.exit_code == 2
