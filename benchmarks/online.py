@@ -38,12 +38,12 @@ from coral.allocation.forecast import DemandForecaster, LatencyCorrection
 from coral.allocation.plan import Plan
 from coral.catalog.loader import load_scenario
 from coral.catalog.schema import Scenario
-from coral.experiments.allocation import load_library
 from coral.planning import SearchSettings, allocator_planner, search_plan
 from coral.planning.slo_search import with_traffic
 from coral.simulation import simulate
 from coral.simulation.replan import allocator_replanner
 from coral.templates.library import TemplateLibrary
+from coral.templates.store import load_library
 from coral.workload.traces import RequestSet, workload_for
 
 VARIANTS = ("static", "last epoch", "forecast", "correction", "forecast + correction", "oracle")

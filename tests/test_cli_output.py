@@ -75,7 +75,7 @@ def test_experiment_json(out: Path) -> None:
     res = runner.invoke(app, ["experiment", "epochs", "core", "--out", str(out), "--time-limit", "5", "--json"])
     assert res.exit_code == 0, res.output
     doc = json.loads(res.stdout)
-    assert doc["name"] == "epochs" and len(doc["rows"]) == load_scenario("core").epochs
+    assert doc["name"] == "epochs-core" and len(doc["rows"]) == load_scenario("core").epochs
     assert set(doc["columns"]) == set(doc["rows"][0]) and all(Path(f).exists() for f in doc["files"])
 
 

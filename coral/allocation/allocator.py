@@ -355,7 +355,9 @@ def allocate(
                      f"{gp.out.status}, {gp.out.time_s:.3f} s")
         if gp.out.x is not None:
             source = gp
-        fraction, cost_weights = source.served * (1 - 1e-9), None
+        # each model's phases at the lesser of their shares: a request needs both, more of one phase is waste
+        least = {m: min(f for (mm, _p), f in zip(ctx.keys, source.served, strict=True) if mm == m) for m, _p in ctx.keys}
+        fraction, cost_weights = np.array([least[m] for m, _p in ctx.keys]) * (1 - 1e-9), None
     cost = _solve_cost(ctx, fraction, cost_weights, left(1), gap, prev=source)
     if cost.out.x is None:
         if source.out.x is None:

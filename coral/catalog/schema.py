@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -230,22 +230,20 @@ class AvailabilitySchedule(_Strict):
 
     def at(self, t: float) -> dict[str, dict[str, int]]:
         """Counts in force at time t."""
-        out: dict[str, dict[str, int]] = {}
-        for s in self.steps:
-            if s.at_s > t:
-                break
-            for region, cfgs in s.counts.items():
-                out.setdefault(region, {}).update(cfgs)
-        return out
+        return self._in_force(t, "counts")
 
     def prices_at(self, t: float) -> dict[str, dict[str, float]]:
         """Price overrides in force at time t ({} when no step has set any)."""
-        out: dict[str, dict[str, float]] = {}
+        return self._in_force(t, "prices")
+
+    def _in_force(self, t: float, table: Literal["counts", "prices"]) -> dict[str, dict[str, Any]]:
+        """{region: {config: value}} of one of the steps' tables, each step overriding the ones before it."""
+        out: dict[str, dict[str, Any]] = {}
         for s in self.steps:
             if s.at_s > t:
                 break
-            for region, prices in s.prices.items():
-                out.setdefault(region, {}).update(prices)
+            for region, values in getattr(s, table).items():
+                out.setdefault(region, {}).update(values)
         return out
 
 

@@ -65,15 +65,19 @@ def plan_table(plan: Plan) -> FoldingTable:
 
 
 def served_in_words(plan: Plan) -> str:
-    """How much of the demand a plan serves, and which (model, phase)s fall short, in plain words."""
-    demand = sum(s.demand for s in plan.serving)
-    served = sum(min(s.capacity, s.demand) for s in plan.serving)
-    short = sorted((s for s in plan.serving if s.served_fraction < 1 - 1e-9), key=lambda s: s.served_fraction)
-    if not short:
-        return f"all demand ({demand:,.0f} tok/s) at ${plan.cost_per_hour:,.2f}/h"
-    gaps = ", ".join(f"{s.model}/{s.phase} gets {s.served_fraction:.0%}" for s in short)
-    return (f"{served / demand:.1%} of demand ({served:,.0f} of {demand:,.0f} tok/s) at ${plan.cost_per_hour:,.2f}/h; "
-            f"{demand - served:,.0f} tok/s unserved: {gaps}; least served {short[0].served_fraction:.1%}")
+    """How much of the demand a plan serves, in plain words: per model the share of its requests both its
+    phases can take (the least served of the two), and the generated tokens/s that makes."""
+    share: dict[str, float] = {}
+    for s in plan.serving:
+        share[s.model] = min(share.get(s.model, 1.0), s.served_fraction if s.demand > 0 else 1.0)
+    asked = sum(s.demand for s in plan.serving if s.phase == "decode")
+    if all(v >= 1 - 1e-9 for v in share.values()):
+        return f"all demand ({asked:,.0f} generated tok/s planned) at ${plan.cost_per_hour:,.2f}/h"
+    got = sum(s.demand * share[s.model] for s in plan.serving if s.phase == "decode")
+    short = sorted((m for m, v in share.items() if v < 1 - 1e-9), key=lambda m: share[m])
+    return (f"{got / asked:.1%} of the generated tokens/s planned ({got:,.0f} of {asked:,.0f}) at "
+            f"${plan.cost_per_hour:,.2f}/h; share of its requests each model can take (the lesser of its phases): "
+            + ", ".join(f"{m} {share[m]:.0%}" for m in short) + f"; the others all; least {share[short[0]]:.1%}")
 
 
 @friendly_errors
@@ -131,7 +135,7 @@ def allocate_cmd(
         say.print(plan_table(plan))
     s = plan.solve
     say.print(f"{solve_line(s)}; scale-up penalty ${plan.penalty_per_hour:,.2f}/h")
-    say.print(f"in words: {solver_in_words(s)}")
+    say.print(f"in words: {solver_in_words(s, plan.mode)}")
     say.print(f"served: {served_in_words(plan)}")
     path = plan.save(out / plan_file_name(scenario, mode, method, engine, target))
     total = time.perf_counter() - t0

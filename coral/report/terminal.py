@@ -193,7 +193,7 @@ def print_plan(plan: Plan, console: Console | None = None) -> None:
     for table in plan_tables(plan):
         console.print(table)
     sv = plan.solve
-    console.print(f"solver: {solver_in_words(sv)}")
+    console.print(f"solver: {solver_in_words(sv, plan.mode)}")
     if plan.penalty_per_hour:
         console.print(f"scale-up penalty against the running plan: {_money(plan.penalty_per_hour)}")
     for note in sv.notes:

@@ -170,9 +170,19 @@ def instance_groups(plan: Plan, catalog: Catalog | None = None) -> list[dict[str
     return out
 
 
-def solver_in_words(sv: SolveReport) -> str:
+SCARCITY_GOALS = {
+    "goodput": "first the most SLO goodput the nodes allow with every model at its fairness floor",
+    "maxmin": "first the largest share of its demand every model can get",
+    "scaled": "first the largest uniform scale of all demand that fits",
+}
+
+
+def solver_in_words(sv: SolveReport, mode: str = "cost") -> str:
     """The solver's outcome in plain words: proven cheapest, stopped early (and how far from the best it can be),
-    no feasible plan, or a rule without a solver."""
+    no feasible plan, or a rule without a solver; in a scarcity mode, what was maximised before the cost (the
+    stages' own outcomes are in the report's notes)."""
+    if mode in SCARCITY_GOALS:
+        return f"{SCARCITY_GOALS[mode]} (stages in the notes), then at that level: {solver_in_words(sv)}"
     status = sv.status.lower()
     took = f" ({sv.time_s:.2f} s)"
     if status == "greedy":
@@ -217,7 +227,7 @@ def summary(plan: Plan) -> dict[str, Any]:
         "min_served_fraction": min((s.served_fraction for s in plan.serving), default=1.0),
         "created_at": plan.created_at,
         "solve": plan.solve.model_dump(mode="json"),
-        "solve_words": solver_in_words(plan.solve),
+        "solve_words": solver_in_words(plan.solve, plan.mode),
     }
 
 
