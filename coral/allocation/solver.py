@@ -341,7 +341,7 @@ def solve(
     as one block). With `reduce`, independent blocks (no shared row, e.g. models that share no scarce config)
     are solved separately, each with the reductions of `solve_block`."""
     if not reduce:
-        return solve_block(p, time_limit=time_limit, gap=gap, start=start, reduce=False)
+        return one_mip(p, time_limit=time_limit, gap=gap, start=start, note="reductions off")
     t0 = time.perf_counter()
     label = components(p)
     blocks = [np.flatnonzero(label == v) for v in np.unique(label)]
@@ -377,6 +377,20 @@ def solve(
     return Outcome(worst, x, objective, bound, g, time.perf_counter() - t0, n_cols, n_rows,
                    [f"{len(blocks)} independent blocks", f"LP bound {lp_bound:.6g}"], lp_bound=lp_bound,
                    row_dual=y)
+
+
+def one_mip(p: Problem, *, time_limit: float, gap: float, start: np.ndarray | None, note: str) -> Outcome:
+    """`p` handed to HiGHS whole (its real columns, no LP pipeline), warm-started from `start`."""
+    t0 = time.perf_counter()
+    real = np.flatnonzero(~p.artificial)
+    res = milp.solve(p.cost[real], np.zeros(len(real)), p.upper[real], p.integer[real], p.rows(real),
+                     time_limit=time_limit, gap=gap, start=None if start is None else start[real])
+    full = None
+    if res.x is not None:
+        full = np.zeros(p.n)
+        full[real] = res.x
+    return Outcome(res.status, full, res.objective, res.bound, res.gap, time.perf_counter() - t0,
+                   res.n_cols, res.n_rows, [note])
 
 
 @dataclass
@@ -503,15 +517,7 @@ def solve_block(
             notes.append(f"{sep.n_initial} parts solved separately {'fit short of the gap' if fits else 'overflow'} "
                          f"shared rows (bound {sep_bound:.6g})")
     if not reduce:
-        real = np.flatnonzero(~p.artificial)
-        res = milp.solve(p.cost[real], np.zeros(len(real)), p.upper[real], p.integer[real], p.rows(real),
-                         time_limit=time_limit, gap=gap, start=None if start is None else start[real])
-        full = None
-        if res.x is not None:
-            full = np.zeros(p.n)
-            full[real] = res.x
-        return Outcome(res.status, full, res.objective, res.bound, res.gap, time.perf_counter() - t0,
-                       res.n_cols, res.n_rows, ["reductions off"])
+        return one_mip(p, time_limit=time_limit, gap=gap, start=start, note="reductions off")
     n_rows = len(p.row_lower)
     lp, lp_cols, y = _lp(p, _seed(p, start), time_limit)
     for _ in range(CUT_ROUNDS):  # tighten the LP bound with rounding cuts at the LP optimum (a third of the time)
