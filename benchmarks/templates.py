@@ -20,6 +20,7 @@ from rich.table import Table
 
 from coral.catalog.loader import builtin_catalog, load_scenario
 from coral.perf import RooflineModel
+from coral.report.terminal import progress
 from coral.templates.build import (
     BuildJob,
     JobResult,
@@ -86,7 +87,10 @@ def main() -> None:
     sc = load_scenario(args.scenario)
 
     t0 = time.perf_counter()
-    lib = build_library(sc, workers=args.workers, progress=True)
+    with progress(console=console, transient=True) as bar:
+        task = bar.add_task(f"placement jobs of {sc.name}", total=None)
+        lib = build_library(sc, workers=args.workers,
+                            progress=lambda done, total: bar.update(task, completed=done, total=total))
     build_s = time.perf_counter() - t0
     path = lib.save(args.out / f"{sc.name}.templates.sqlite")
     t1 = time.perf_counter()

@@ -23,6 +23,9 @@ from coral.templates.library import TemplateLibrary
 Mode = Literal["cost", "goodput", "maxmin", "scaled"]
 MODES = ("cost", "goodput", "maxmin", "scaled")
 UNLIMITED = "unlimited"
+#: max-min and goodput problems of at most this many variables go to HiGHS whole, warm-started: there the LP
+#: pipeline's rounds cost more than they save (`benchmarks/allocator.py --replan`)
+DIRECT_COLUMNS = 4000
 RESERVE = 0.06  # share of the time limit kept for building the plan and HiGHS's overrun of its own limits
 FAIRNESS = 0.5  # goodput mode: every model keeps at least this share of the uniform max-min fraction
 
@@ -166,12 +169,14 @@ def _solve_cost(ctx: _Context, fraction: float | np.ndarray, weights: np.ndarray
 
 
 def _solve_served(ctx: _Context, objective: Literal["maxmin", "goodput"], weights: np.ndarray,
-                  floor: np.ndarray | None, time_limit: float, gap: float, prev: _Stage | None = None) -> _Stage:
+                  floor: np.ndarray | None, time_limit: float, gap: float, prev: _Stage | None = None,
+                  duals: bool = False) -> _Stage:
     """Max-min served fraction, or the SLO goodput: max the priority-weighted generated tokens/s served (prompt
     tokens/s for a model with no decode demand), one served fraction per model for both its phases (a request
     needs both), with per-key floors; warm-started
     from `prev` or the water-filling plan (`core.water_fill`), whichever is better, and from the LP optimum
-    rounded down and water-filled (the solver's rounder)."""
+    rounded down and water-filled (the solver's rounder). Small problems go to HiGHS whole (`DIRECT_COLUMNS`)
+    unless the LP's row `duals` are wanted (to name what binds)."""
     models = sorted({m for m, _p in ctx.keys})
     group = np.array([models.index(m) for m, _p in ctx.keys])
     decoding = {m for (m, p), d in zip(ctx.keys, ctx.demand, strict=True) if p == Phase.DECODE and d > 0}
@@ -185,8 +190,12 @@ def _solve_served(ctx: _Context, objective: Literal["maxmin", "goodput"], weight
         x = core.water_fill(ctx.cols, ctx.market, ctx.demand * weights, base=lp_x[:layout.n_x])
         return _with_served(ctx, core.full_start(x, problem, layout, ctx.cols, ctx.penalty_k), layout, weights)
 
-    return _stage(ctx, solver.solve(problem, time_limit=time_limit, gap=gap, start=start, reduce=ctx.reduce,
-                                    rounder=rounder), layout)
+    if ctx.reduce and problem.n <= DIRECT_COLUMNS and not duals:
+        out = solver.one_mip(problem, time_limit=time_limit, gap=gap, start=start,
+                             note=f"one MIP over all {problem.n} variables")
+    else:
+        out = solver.solve(problem, time_limit=time_limit, gap=gap, start=start, reduce=ctx.reduce, rounder=rounder)
+    return _stage(ctx, out, layout)
 
 
 def _class_served(ctx: _Context, layout: core.Layout, x: np.ndarray) -> np.ndarray | None:
@@ -327,8 +336,7 @@ def allocate(
     if mode == "cost":
         cost = _solve_cost(ctx, 1.0, None, left(1), gap)
         if cost.out.x is None:
-            mm = _solve_served(ctx, "maxmin", ones, None, left(1), gap)
-            raise diagnose(ctx, mm.out, mm.layout, _uniform(ctx, mm, ones))
+            raise _explain(ctx, None, ones, left(1), gap)
         return _plan(ctx, cost.out, cost.layout, "cost", _report(ctx, cost.out), method)
     weights = ones if mode == "scaled" else ctx.weights
     mm = _solve_served(ctx, "maxmin", weights, None, left(3 if mode == "goodput" else 2), gap)
@@ -341,12 +349,12 @@ def allocate(
     elif mode == "scaled":
         scale = math.floor(t / scale_step + 1e-9) * scale_step
         if scale <= 0:
-            raise diagnose(ctx, mm.out, mm.layout, t)
+            raise _explain(ctx, mm, weights, left(1), gap)
         fraction, cost_weights = scale, None
         notes.append(f"demand scale {scale:.4g}")
     elif mode == "maxmin":
         if t <= 0:
-            raise diagnose(ctx, mm.out, mm.layout, t)
+            raise _explain(ctx, mm, weights, left(1), gap)
         fraction, cost_weights = t * (1 - 1e-9), weights
     else:
         gp = _solve_served(ctx, "goodput", weights, fairness * t * weights, left(2), gap, prev=mm)
@@ -361,10 +369,18 @@ def allocate(
     cost = _solve_cost(ctx, fraction, cost_weights, left(1), gap, prev=source)
     if cost.out.x is None:
         if source.out.x is None:
-            raise diagnose(ctx, mm.out, mm.layout, t)
+            raise _explain(ctx, mm, weights, left(1), gap)
         notes.append(f"cost stage found no plan in time ({cost.out.status}): the previous stage's plan is kept")
         cost = source
     return _plan(ctx, cost.out, cost.layout, mode, _report(ctx, cost.out, spent, notes), method, scale=scale)
+
+
+def _explain(ctx: _Context, mm: _Stage | None, weights: np.ndarray, time_limit: float, gap: float
+             ) -> InfeasibleDemand:
+    """`diagnose` of the max-min stage `mm`, solved (again) through the LP pipeline when it has no row duals."""
+    if mm is None or mm.out.row_dual is None:
+        mm = _solve_served(ctx, "maxmin", weights, None, time_limit, gap, duals=True)
+    return diagnose(ctx, mm.out, mm.layout, _uniform(ctx, mm, weights))
 
 
 def _uniform(ctx: _Context, stage: _Stage, weights: np.ndarray) -> float:

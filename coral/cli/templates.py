@@ -14,6 +14,7 @@ from coral.cli.common import (
     DEFAULT_OUT,
     OFFERINGS_HELP,
     console,
+    err_console,
     friendly_errors,
     library_path,
     scenario_and_market,
@@ -39,7 +40,7 @@ def build_cmd(
 ) -> None:
     """Enumerate node combinations and solve each one's optimal placement."""
     from coral.perf.roofline import PerfParams, RooflineModel
-    from coral.report.terminal import FoldingTable
+    from coral.report.terminal import FoldingTable, progress
     from coral.templates.build import build_library
 
     t0 = time.perf_counter()
@@ -50,7 +51,10 @@ def build_cmd(
         from coral.deploy.vllm import vllm_compatible_filter
 
         stage_filter = vllm_compatible_filter
-    lib = build_library(sc, cat, perf=perf, workers=workers, progress=True, use_ray=ray, stage_filter=stage_filter)
+    with progress(console=err_console, transient=True) as bar:
+        task = bar.add_task(f"placement jobs of {sc.name}", total=None)
+        lib = build_library(sc, cat, perf=perf, workers=workers, use_ray=ray, stage_filter=stage_filter,
+                            progress=lambda done, total: bar.update(task, completed=done, total=total))
     path = lib.save(library_path(scenario, out))
     stats = json.loads(lib.meta["stats"])
     table = FoldingTable(title=f"Serving Template Library: {sc.name}")

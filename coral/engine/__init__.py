@@ -1,5 +1,8 @@
 """The Coral pipeline engine: serving instances that run any template (uneven pipeline stages, data-parallel nodes
 inside a stage, mixed node types) on real model code, with a layer-resharded KV hand-off from prefill to decode.
+Each micro-batch runs as one flattened batch of tokens over a paged KV cache per node (`coral.engine.shard`);
+the scheduler forms micro-batches under a token budget and admits and preempts by KV blocks
+(`coral.engine.scheduler`).
 
 Entry points:
 - `CoralInstance.from_plan(plan_instance, checkpoint, EngineConfig(...)).start()`: one process per node, the

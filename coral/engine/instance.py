@@ -41,8 +41,12 @@ class EngineConfig:
     advertise: str = ""  # address other machines reach this one by, when `host` is 0.0.0.0
     launch: bool = True  # start the node processes here; False: they are started elsewhere (`node_commands`)
     threads_per_node: int = 1
-    max_batch: int = 32
-    max_batch_tokens: int = 4096
+    max_batch: int = 32  # sequences per micro-batch
+    max_batch_tokens: int = 4096  # new tokens per micro-batch (decode steps first, prefills chunked to the rest)
+    kv_cache_gib: float = 0.25  # KV pool preallocated by each node process
+    kv_block_size: int = 16  # tokens per KV block
+    kv_blocks: int = 0  # KV blocks per node process (0: as many as fit in the budget)
+    kv_cache_fraction: float = 0.0  # > 0: each node's KV budget is this fraction of its device's free memory
     max_inflight: int | None = None  # default: stages x widest stage
     start_timeout_s: float = 180.0
     kv_ttl_s: float = 120.0
@@ -143,7 +147,9 @@ class CoralInstance:
             bind="inproc" if cfg.local else f"tcp://{cfg.host}", advertise=cfg.advertise if cfg.launch else "",
             device=device,
             dist_backend=cfg.dist_backend, dist_init=dist_init, threads=cfg.threads_per_node,
-            kv_ttl_s=cfg.kv_ttl_s, parent_pid=os.getpid() if cfg.launch and not cfg.local else 0,
+            kv_ttl_s=cfg.kv_ttl_s, kv_cache_gib=cfg.kv_cache_gib, kv_block_size=cfg.kv_block_size,
+            kv_blocks=cfg.kv_blocks, kv_cache_fraction=cfg.kv_cache_fraction,
+            parent_pid=os.getpid() if cfg.launch and not cfg.local else 0,
         )
 
     def _start_nodes(self, nodes: list[NodeConfig]) -> None:

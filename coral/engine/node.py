@@ -2,12 +2,16 @@
 
 Channels:
 - control, ZeroMQ: the node binds a PULL socket for the scheduler's commands (`run` a micro-batch, `free` or
-  `keep` requests' KV, `pull` KV from a prefill instance, `stop`) and PUSHes results (`ready`, sampled tokens,
-  errors) to the scheduler;
+  `keep` requests' KV, `pull` KV from a prefill instance, `stop`) and PUSHes results (`ready` with the size of
+  its KV pool, sampled tokens, `released` KV that was kept for hand-off, errors) to the scheduler;
 - activations, torch.distributed P2P (`coral.engine.transport`), tagged by micro-batch;
 - KV hand-off, ZeroMQ: the node binds a ROUTER socket serving `take` requests from decode nodes of another
   instance (a separate process group, so not reachable by P2P): the layers asked for are removed from the
   shard and sent as raw frames. KV kept for hand-off and never taken is dropped after `kv_ttl_s`.
+
+The node's KV pool (`kv_cache_gib`, a `kv_cache_fraction` of the free device memory, or `kv_blocks` blocks of
+`kv_block_size` tokens) is preallocated when the shard loads; the scheduler keeps the accounting of its blocks
+(it admits and preempts by it), so a `run` always finds its blocks free.
 
 Commands are handled one at a time in arrival order; the scheduler sends each micro-batch to all its nodes at
 dispatch, so every node sees micro-batches in the same global order and the pipeline cannot deadlock.
@@ -36,7 +40,7 @@ import torch
 import torch.distributed as dist
 import zmq
 
-from coral.engine.shard import KV, Shard
+from coral.engine.shard import KV, Shard, Step
 from coral.engine.transport import DistTransport, Transport, advertised, frames_tensors, tensor_frames
 
 
@@ -57,6 +61,10 @@ class NodeConfig:
     dist_init: str = ""  # torch.distributed init_method: 'file://PATH' or 'tcp://HOST:PORT'
     threads: int = 1  # torch intra-op threads (1: node processes share the machine's cores)
     kv_ttl_s: float = 120.0
+    kv_cache_gib: float = 0.25  # KV pool of each process (a TP rank holds its heads)
+    kv_block_size: int = 16  # tokens per KV block
+    kv_blocks: int = 0  # blocks in the pool (0: as many as fit in the budget)
+    kv_cache_fraction: float = 0.0  # > 0: the budget is this fraction of the device's free memory, not the GiB
     parent_pid: int = 0  # a node process exits when this process (its instance's owner) is gone; 0: no check
     process_rank: int = -1  # torch.distributed rank of this process (-1: the node rank)
     leaders: list[int] = field(default_factory=list)  # process rank of each node's leader (empty: node ranks)
@@ -72,7 +80,8 @@ class Node:
         self.transport = transport
         self.tp_group = tp_group
         self.leader_process = self.process(cfg.rank)
-        self.shard = Shard(cfg.checkpoint, cfg.first, cfg.last, cfg.device, tp_group)
+        self.shard = Shard(cfg.checkpoint, cfg.first, cfg.last, cfg.device, tp_group, cfg.kv_cache_gib,
+                           cfg.kv_block_size, cfg.kv_blocks, cfg.kv_cache_fraction)
         self.hidden = int(self.shard.config.hidden_size)
         self.ctx = ctx
         if self.shard.tp_rank:
@@ -138,7 +147,8 @@ class Node:
     def serve(self) -> None:
         """Announce the node, then handle commands and KV requests until `stop`."""
         self.out.send_json({"kind": "ready", "rank": self.cfg.rank, "cmd": self.endpoint(self.cmd),
-                            "kv": self.endpoint(self.kv_server)})
+                            "kv": self.endpoint(self.kv_server), "blocks": self.shard.pool.blocks,
+                            "block_size": self.shard.pool.block_size})
         poller = zmq.Poller()
         poller.register(self.cmd, zmq.POLLIN)
         poller.register(self.kv_server, zmq.POLLIN)
@@ -182,42 +192,46 @@ class Node:
         return True
 
     def _run(self, msg: dict[str, Any]) -> None:
-        """One micro-batch: each request's new tokens through the shard; hidden states to the next stage, or
-        greedy tokens (and logits if asked) to the scheduler from the last stage."""
+        """One micro-batch, all its requests' new tokens as one flattened batch through the shard; hidden
+        states to the next stage, or greedy tokens of the sampled steps (and logits if asked) to the scheduler
+        from the last stage."""
         reqs, mb = msg["reqs"], msg["mb"]
-        sizes = [r["n"] for r in reqs]
+        steps = [Step(r["rid"], r["start"], r["n"], r["sample"]) for r in reqs]
         if self.shard.is_first:
-            inputs = [torch.tensor(r["tokens"], dtype=torch.long) for r in reqs]
+            x = torch.tensor([t for r in reqs for t in r["tokens"]], dtype=torch.long)
         else:
-            shape = (sum(sizes), self.hidden)
+            shape = (sum(s.n for s in steps), self.hidden)
             if self.shard.tp_rank:
-                flat = torch.empty(shape, dtype=self.shard.dtype, device=self.shard.device)
+                x = torch.empty(shape, dtype=self.shard.dtype, device=self.shard.device)
             else:
-                flat = self.transport.recv(shape, self.shard.dtype, self.process(msg["src"]), mb)
+                x = self.transport.recv(shape, self.shard.dtype, self.process(msg["src"]), mb)
             if self.tp_group is not None:
-                dist.broadcast(flat, src=self.leader_process, group=self.tp_group)
-            inputs = list(torch.split(flat, sizes))
-        outs = [self.shard.forward_request(r["rid"], x, r["start"]) for r, x in zip(reqs, inputs, strict=True)]
+                dist.broadcast(x, src=self.leader_process, group=self.tp_group)
+        out = self.shard.forward_batch(steps, x)
         if self.shard.tp_rank:
             return  # the leader sends the result on
         if not self.shard.is_last:
-            self.transport.send(torch.cat(outs), self.process(msg["dst"]), mb)
+            self.transport.send(out, self.process(msg["dst"]), mb)
             return
-        logits = torch.stack(outs)
-        tokens = logits.argmax(-1).tolist()
+        tokens = out.argmax(-1).tolist()
         header = json.dumps({"kind": "tokens", "mb": mb, "tokens": tokens}).encode()
         if msg.get("logits"):
-            self.out.send_multipart([header, *tensor_frames([logits])])
+            self.out.send_multipart([header, *tensor_frames([out])])
         else:
             self.out.send_multipart([header])
+
+    def _released(self, rid: str) -> None:
+        """Tell the scheduler that KV kept for hand-off is gone (taken or expired): its blocks are free."""
+        self.kept.pop(rid, None)
+        self.out.send_json({"kind": "released", "rank": self.cfg.rank, "rid": rid})
 
     def _expire_kept(self) -> None:
         cutoff = time.monotonic() - self.cfg.kv_ttl_s
         expired = [r for r, t in self.kept.items() if t < cutoff]
-        for rid in expired:
-            self.kept.pop(rid)
         if expired:
             self._handle({"op": "free", "rids": expired})
+        for rid in expired:
+            self._released(rid)
 
     def _serve_take(self) -> None:
         """Answer every waiting `take` {rid, first, last}: the layers' KV, removed from this node."""
@@ -233,8 +247,8 @@ class Node:
                 error = f"request {ask['rid']}: no KV on layers [{self.shard.first}, {self.shard.last})"
                 self.kv_server.send_multipart([ident, empty, json.dumps({"error": error}).encode()])
                 continue
-            if ask["rid"] not in self.shard.kv:
-                self.kept.pop(ask["rid"], None)
+            if not self.shard.holds(ask["rid"]):
+                self._released(ask["rid"])
             order = sorted(layers)
             tensors = [t for i in order for t in layers[i]]
             self.kv_server.send_multipart(

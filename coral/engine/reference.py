@@ -10,10 +10,12 @@ import torch
 
 
 class WholeModel:
-    def __init__(self, checkpoint: str | Path) -> None:
+    def __init__(self, checkpoint: str | Path, device: str = "cpu") -> None:
         from transformers import AutoModelForCausalLM
 
-        self.model: Any = AutoModelForCausalLM.from_pretrained(checkpoint, attn_implementation="sdpa").eval()
+        self.device = torch.device(device)
+        model: Any = AutoModelForCausalLM.from_pretrained(checkpoint, attn_implementation="sdpa")
+        self.model: Any = model.to(self.device).eval()
 
     @torch.inference_mode()
     def greedy(self, prompt: list[int], max_tokens: int) -> tuple[list[int], torch.Tensor]:
@@ -23,12 +25,12 @@ class WholeModel:
 
         cache = DynamicCache(config=self.model.config)
         cache_kwarg = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
-        x = torch.tensor([prompt])
+        x = torch.tensor([prompt], device=self.device)
         tokens: list[int] = []
         logits = []
         for _ in range(max_tokens):
             step = self.model(x, use_cache=True, **{cache_kwarg: cache}).logits[0, -1].float()
             logits.append(step)
             tokens.append(int(step.argmax()))
-            x = torch.tensor([[tokens[-1]]])
+            x = torch.tensor([[tokens[-1]]], device=self.device)
         return tokens, torch.stack(logits)

@@ -1,11 +1,20 @@
-"""The instance scheduler: admission, path choice, micro-batching and token streaming for one instance.
+"""The instance scheduler: admission, path choice, KV block accounting, micro-batching and token streaming for one
+instance.
 
 A request gets a path (one node per stage) at admission by smooth weighted round-robin over each stage's nodes,
-weighted by the placement's per-node throughput, and keeps it while its KV lives there. Requests that are not
-waiting on a step form micro-batches of requests sharing a path (continuous batching: prefills and decode steps
-of different lengths together, up to `max_batch` requests and `max_batch_tokens` new tokens); up to
-`max_inflight` micro-batches flow down the pipeline at once. The last stage samples greedily (argmax) and
-returns the tokens here, which hands them to each request's callback.
+weighted by the placement's per-node throughput, and keeps it while its KV lives there. Micro-batches are formed
+per path (continuous batching) under a token budget (`max_batch_tokens`) and a sequence cap (`max_batch`): decode
+steps first, then running prefills, then waiting requests in arrival order, prefills chunked to fill what is left
+of the budget. Up to `max_inflight` micro-batches flow down the pipeline at once. The last stage samples greedily
+(argmax) for each step that completes its request's input and returns the tokens here, which hands them to each
+request's callback.
+
+KV blocks: every node reports its pool (blocks of `block_size` tokens) when ready, and the scheduler keeps the
+accounting of each node's free blocks (a request holds the same number of blocks on every node of its path). A
+step is sent only when its blocks fit on the whole path; a waiting request is admitted only then (in arrival
+order), and a running one that does not fit preempts the newest requests idle on the full node, or itself if
+it is the newest: a preempted request's KV is freed and it is recomputed from its prompt and the tokens it has
+produced (greedy, so its output is unchanged).
 
 All ZeroMQ sockets are owned by the scheduler thread; other threads talk to it through `submit`/`cancel`.
 """
@@ -13,6 +22,7 @@ All ZeroMQ sockets are owned by the scheduler thread; other threads talk to it t
 from __future__ import annotations
 
 import json
+import math
 import queue
 import threading
 import uuid
@@ -57,11 +67,14 @@ class Request:
     keep_kv: bool = False  # PD prefill: leave the KV on the nodes for a decode instance to take
     remote: dict[str, Any] | None = None  # PD decode: {request_id, prompt_tokens, first_token, sources}
     path: tuple[int, ...] = ()
+    seq: int = 0  # arrival order (lower: older, preempted later)
     position: int = 0  # tokens whose KV is on the path
-    pending: list[int] = field(default_factory=list)  # the next step's input tokens
+    pending: list[int] = field(default_factory=list)  # input tokens not yet computed (a chunk at a time)
     output: list[int] = field(default_factory=list)
+    blocks: int = 0  # KV blocks held on each node of the path
     busy: bool = False
     cancelled: bool = False
+    pulling: bool = False  # PD decode: pulls sent
     pulls: dict[int, bool] = field(default_factory=dict)  # PD decode: rank -> took its layers' KV
 
 
@@ -101,9 +114,16 @@ class Scheduler:
         self.error: str | None = None
         self.wrr = [SmoothWRR([n.weight for n in stage]) for stage in layout.stages]
         self.active: dict[str, Request] = {}  # insertion order = arrival order
-        self.flight: dict[int, list[Request]] = {}
+        self.flight: dict[int, list[tuple[Request, int, bool]]] = {}  # micro-batch -> (request, tokens, sampled)
         self.batches = 0  # micro-batches dispatched (also the next micro-batch id)
         self.remote_prefills = 0  # requests admitted with their KV taken from a prefill instance
+        self.preemptions = 0
+        self.arrivals = 0
+        self.block_size = 0  # tokens per KV block (the nodes' pools, reported when ready)
+        self.capacity: dict[int, int] = {}  # node rank -> KV blocks of its pool
+        self.free: dict[int, int] = {}  # node rank -> KV blocks not held by any request
+        self.kept: dict[str, dict[int, int]] = {}  # request kept for hand-off -> {rank: blocks held there}
+        self.peak_blocks: dict[int, int] = {}  # node rank -> most blocks in use at once
         self.thread = threading.Thread(target=self._loop, name=f"coral-sched-{layout.instance_id}", daemon=True)
 
     # --- other threads ----------------------------------------------------------------------------------
@@ -179,16 +199,42 @@ class Scheduler:
             req.on_event(None, "error", None)
             return
         req.path = tuple(stage[w.pick()].rank for stage, w in zip(self.layout.stages, self.wrr, strict=True))
+        total = len(req.prompt) + req.max_tokens
+        room = min((self.capacity.get(r, 0) for r in req.path), default=0)
+        if self.ready.is_set() and self._blocks_for(total) > room:  # could never run, even alone
+            req.on_event(None, "error", None)
+            return
+        req.seq, self.arrivals = self.arrivals, self.arrivals + 1
         self.active[req.rid] = req
         if req.remote is None:
             req.pending = list(req.prompt)
-            return
-        req.busy = True  # until every node of the path has its layers' KV
+
+    def _blocks_for(self, tokens: int) -> int:
+        return math.ceil(tokens / self.block_size) if self.block_size else 0
+
+    def _hold(self, req: Request, blocks: int) -> None:
+        """`req` holds `blocks` more KV blocks (fewer if negative) on every node of its path."""
+        req.blocks += blocks
         for rank in req.path:
-            self.cmd[rank].send_json(
-                {"op": "pull", "rid": req.rid, "remote_rid": req.remote["request_id"],
-                 "sources": req.remote["sources"]}
-            )
+            self.free[rank] -= blocks
+            self.peak_blocks[rank] = max(self.peak_blocks.get(rank, 0), self.capacity[rank] - self.free[rank])
+
+    def _start_pulls(self) -> None:
+        """PD decode requests, in arrival order while their prompt's blocks fit: each node of the path takes
+        its layers' KV from the prefill nodes."""
+        for req in self.active.values():
+            if req.remote is None or req.pulling or req.cancelled:
+                continue
+            need = self._blocks_for(int(req.remote["prompt_tokens"]))
+            if any(self.free[rank] < need for rank in req.path):
+                return
+            self._hold(req, need)
+            req.pulling = req.busy = True  # busy until every node of the path has its layers' KV
+            for rank in req.path:
+                self.cmd[rank].send_json(
+                    {"op": "pull", "rid": req.rid, "remote_rid": req.remote["request_id"],
+                     "sources": req.remote["sources"]}
+                )
 
     def _on_pulled(self, req: Request, rank: int, ok: bool) -> None:
         """A node of `req`'s path took (or failed to take) its layers' KV; once all answered, decode from the
@@ -204,9 +250,15 @@ class Scheduler:
             req.position = int(req.remote["prompt_tokens"])
             self._emit(req, int(req.remote["first_token"]), None)
         else:
-            for rank_ in req.path:
-                self.cmd[rank_].send_json({"op": "free", "rids": [req.rid]})
-            req.position, req.pending = 0, list(req.prompt)
+            self._drop_kv(req)
+            req.pending = list(req.prompt)
+
+    def _drop_kv(self, req: Request) -> None:
+        """Free `req`'s KV on its path (the nodes and the accounting); it starts again from position 0."""
+        for rank in req.path:
+            self.cmd[rank].send_json({"op": "free", "rids": [req.rid]})
+        self._hold(req, -req.blocks)
+        req.position = 0
 
     def _emit(self, req: Request, token: int, logits: list[float] | None) -> None:
         """A new token of `req`: hand it on, then finish the request or queue its next step."""
@@ -222,70 +274,132 @@ class Scheduler:
         self.active.pop(req.rid, None)
         if req.cancelled:
             req.on_event(None, "abort", None)
-        msg = {"op": "keep" if req.keep_kv and not req.cancelled else "free", "rids": [req.rid]}
+        if req.keep_kv and not req.cancelled:
+            self.kept[req.rid] = dict.fromkeys(req.path, req.blocks)  # free once each node says it is released
+            msg = {"op": "keep", "rids": [req.rid]}
+        else:
+            self._hold(req, -req.blocks)
+            msg = {"op": "free", "rids": [req.rid]}
         for rank in req.path:
             self.cmd[rank].send_json(msg)
 
     def _dispatch(self) -> None:
-        """Send micro-batches while fewer than `max_inflight` are in flight: the oldest ready request's path,
-        at most 1/stages of the requests on that path (so the path's requests form enough micro-batches to
-        fill its pipeline), within `max_batch` requests and `max_batch_tokens` new tokens each."""
+        """Start the PD pulls that fit, then send micro-batches while fewer than `max_inflight` are in flight:
+        for the path of the oldest request with work (or the next path where a step fits)."""
+        self._start_pulls()
         while len(self.flight) < self.max_inflight:
-            ready = [r for r in self.active.values() if not r.busy]
-            if not ready:
-                return
-            path = ready[0].path
-            on_path = sum(r.path == path for r in self.active.values())
-            limit = min(self.max_batch, -(-on_path // len(path)))
-            batch, tokens = list[Request](), 0
-            for r in (r for r in ready if r.path == path):
-                if batch and (len(batch) >= limit or tokens + len(r.pending) > self.max_batch_tokens):
+            ready = [r for r in self.active.values() if not r.busy and r.pending]
+            for path in dict.fromkeys(r.path for r in ready):
+                batch = self._form(path, [r for r in ready if r.path == path])
+                if batch:
+                    self._send_run(batch)
                     break
-                batch.append(r)
-                tokens += len(r.pending)
-            self._send_run(batch)
+            else:
+                return
 
-    def _send_run(self, batch: list[Request]) -> None:
+    def _form(self, path: tuple[int, ...], ready: list[Request]) -> list[tuple[Request, int]]:
+        """A micro-batch on `path`: at most 1/stages of the requests on the path (so they form enough
+        micro-batches to fill its pipeline) and `max_batch`, at most `max_batch_tokens` new tokens; decode steps
+        first, then running prefills, then waiting requests (arrival order; one that does not fit stops
+        admission), prefills chunked to the budget left. Reserves the steps' KV blocks."""
+        on_path = sum(r.path == path for r in self.active.values())
+        limit = min(self.max_batch, -(-on_path // len(path)))
+        budget = self.max_batch_tokens
+        order = sorted(ready, key=lambda r: (0 if r.blocks and len(r.pending) == 1 else 1 if r.blocks else 2,
+                                             r.seq))
+        batch: list[tuple[Request, int]] = []
+        for r in order:
+            if len(batch) >= limit or budget <= 0:
+                break
+            waiting, n = not r.blocks, min(len(r.pending), budget)
+            if not self._reserve(r, n, [q for q, _ in batch]):
+                if waiting:
+                    break  # the oldest waiting request does not fit: admit none after it
+                continue
+            batch.append((r, n))
+            budget -= n
+        return batch
+
+    def _reserve(self, req: Request, n: int, taken: list[Request]) -> bool:
+        """Hold the KV blocks of `req`'s next `n` tokens on its path. A running request short of blocks
+        preempts the newest idle requests holding blocks on the full nodes, or, being the newest, itself."""
+        need = self._blocks_for(req.position + n) - req.blocks
+        while True:
+            full = {rank for rank in req.path if self.free[rank] < need}
+            if not full:
+                self._hold(req, need)
+                return True
+            if not req.blocks:
+                return False  # a waiting request never preempts
+            idle = [q for q in self.active.values() if q is not req and not q.busy and q.blocks
+                    and q not in taken and full & set(q.path)]
+            if not idle:
+                return False  # the holders are in flight: wait for them
+            victim = max(idle, key=lambda q: q.seq)
+            if victim.seq < req.seq:
+                self._preempt(req)
+                return False
+            self._preempt(victim)
+
+    def _preempt(self, req: Request) -> None:
+        """Free `req`'s KV; it is recomputed (prompt and produced tokens as one prefill) when blocks allow."""
+        self.preemptions += 1
+        self._drop_kv(req)
+        req.pending = [*req.prompt, *req.output]
+
+    def _send_run(self, batch: list[tuple[Request, int]]) -> None:
         mb, self.batches = self.batches, self.batches + 1
-        path = batch[0].path
-        reqs = [{"rid": r.rid, "n": len(r.pending), "start": r.position} for r in batch]
-        logits = any(r.want_logits for r in batch)
+        path = batch[0][0].path
+        steps = [(r, n, n == len(r.pending)) for r, n in batch]
+        reqs = [{"rid": r.rid, "n": n, "start": r.position, "sample": sample} for r, n, sample in steps]
+        logits = any(r.want_logits and sample for r, _, sample in steps)
         for k, rank in enumerate(path):
             msg: dict[str, Any] = {
                 "op": "run", "mb": mb, "reqs": reqs, "logits": logits,
                 "src": path[k - 1] if k else None, "dst": path[k + 1] if k + 1 < len(path) else None,
             }
             if k == 0:
-                msg["reqs"] = [{**q, "tokens": r.pending} for q, r in zip(reqs, batch, strict=True)]
+                msg["reqs"] = [{**q, "tokens": r.pending[:n]} for q, (r, n, _) in zip(reqs, steps, strict=True)]
             self.cmd[rank].send_json(msg)
-        for r in batch:
+        for r, _, _ in steps:
             r.busy = True
-        self.flight[mb] = batch
+        self.flight[mb] = steps
 
     def _on_result(self, frames: list[bytes]) -> None:
         msg = json.loads(frames[0])
         kind = msg["kind"]
         if kind == "ready":
-            sock = self.cmd[msg["rank"]] = self.ctx.socket(zmq.PUSH)
+            rank = int(msg["rank"])
+            sock = self.cmd[rank] = self.ctx.socket(zmq.PUSH)
             sock.connect(msg["cmd"])
-            self.kv_addr[msg["rank"]] = msg["kv"]
+            self.kv_addr[rank] = msg["kv"]
+            self.capacity[rank] = self.free[rank] = int(msg["blocks"])
+            self.block_size = int(msg["block_size"])
             if len(self.cmd) == len(self.layout.nodes):
                 self.ready.set()
         elif kind == "pulled":
             req = self.active.get(msg["rid"])
             if req is not None:
                 self._on_pulled(req, int(msg["rank"]), bool(msg["ok"]))
+        elif kind == "released":
+            held = self.kept.get(msg["rid"], {})
+            self.free[int(msg["rank"])] += held.pop(int(msg["rank"]), 0)
+            if not held:
+                self.kept.pop(msg["rid"], None)
         elif kind == "error":
             self._fail(f"node {msg['rank']}: {msg['message']}")
         elif kind == "tokens":
-            batch = self.flight.pop(msg["mb"])
+            steps = self.flight.pop(msg["mb"])
             logits = frames_tensors(frames[1:])[0].tolist() if len(frames) > 1 else None
-            for i, (req, token) in enumerate(zip(batch, msg["tokens"], strict=True)):
-                req.position += len(req.pending)
+            sampled = iter(enumerate(msg["tokens"]))
+            for req, n, sample in steps:
+                req.position += n
+                req.pending = req.pending[n:]
                 req.busy = False
+                i, token = next(sampled) if sample else (-1, None)
                 if req.cancelled:
                     self._finish(req)
-                else:
+                elif token is not None:
                     self._emit(req, int(token), logits[i] if logits is not None and req.want_logits else None)
 
     def _fail(self, message: str) -> None:

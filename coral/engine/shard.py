@@ -1,18 +1,18 @@
 """A node's model shard: decoder layers [first, last) of a Hugging Face Llama-family checkpoint, built from
 `transformers`' own modules (embedding on the first stage, final norm and lm_head on the last) with only the
-shard's tensors read from the safetensors files, and a per-request KV cache per layer.
+shard's tensors read from the safetensors files, and a paged KV cache (`KVPool`).
 
-Requests of a micro-batch run one after another through the shard (attention, projections and MLP per request),
-so a request's arithmetic is exactly that of the same model run whole on that request alone: batching happens at
-the scheduling level (one control message, one activation transfer and one KV lifetime per micro-batch), never by
-padding sequences together.
+A micro-batch runs as one flattened batch of tokens (prefill chunks and decode steps of different requests,
+variable length, no padding): norms, q/k/v/o projections, rotary embedding and MLP see (tokens, hidden) matrices.
+Attention runs per request over its own KV, gathered from the pool through its block table, with
+`scaled_dot_product_attention` (causal over the request's past and the new chunk).
 """
 
 from __future__ import annotations
 
-import inspect
 import json
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,11 +20,13 @@ import torch
 import torch.distributed as dist
 from safetensors import safe_open
 from torch import nn
+from torch.nn.functional import scaled_dot_product_attention
 from transformers import AutoConfig, LlamaConfig
 from transformers.models.llama.modeling_llama import (
     LlamaDecoderLayer,
     LlamaRMSNorm,
     LlamaRotaryEmbedding,
+    apply_rotary_pos_emb,
 )
 
 KV = tuple[torch.Tensor, torch.Tensor]  # keys and values, (1, kv_heads, tokens, head_dim)
@@ -57,23 +59,78 @@ def _keep_cols(lin: nn.Linear, rank: int, size: int) -> None:
         lin.bias = nn.Parameter(torch.zeros_like(lin.bias), requires_grad=False)
 
 
-@dataclass
-class RequestKV:
-    """The KV of one request on one shard, by global layer index. Duck-types the `update` of a transformers
-    `Cache`, which is all the attention modules call."""
+class PoolFull(RuntimeError):
+    """The KV pool has no free block for a request (the scheduler's accounting should prevent it)."""
 
-    layers: dict[int, KV] = field(default_factory=dict)
 
-    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *_: Any, **__: Any) -> KV:
-        old = self.layers.get(layer_idx)
-        if old is not None:
-            key, value = torch.cat([old[0], key], dim=-2), torch.cat([old[1], value], dim=-2)
-        self.layers[layer_idx] = (key, value)
-        return key, value
+@dataclass(frozen=True)
+class Step:
+    """One request's share of a micro-batch: `n` new tokens from position `start`; `sample`: the last stage
+    returns logits for its last token (the final chunk of a prefill, or a decode step)."""
+
+    rid: str
+    start: int
+    n: int
+    sample: bool = True
+
+
+class KVPool:
+    """The paged KV cache of one shard: keys and values of every local layer in `blocks` fixed-size blocks of
+    `block_size` token slots, preallocated; each request holds a block table (its blocks, in token order).
+    A block holds the request's tokens on all of the shard's layers, so blocks are freed when all layers are
+    released."""
+
+    def __init__(self, layers: int, blocks: int, block_size: int, kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        if blocks < 1 or block_size < 1:
+            raise ValueError(f"KV pool: {blocks} blocks of {block_size} tokens; needs at least one block")
+        self.blocks, self.block_size = blocks, block_size
+        shape = (layers, blocks * block_size, kv_heads, head_dim)
+        self.k = torch.empty(shape, dtype=dtype, device=device)  # on a CPU, pages are committed when written
+        self.v = torch.empty(shape, dtype=dtype, device=device)
+        self.free_blocks = list(range(blocks - 1, -1, -1))  # popped from the end: lowest ids first
+        self.tables: dict[str, list[int]] = {}
+        self.tokens: dict[str, int] = {}  # tokens whose KV is written, per request
+
+    @staticmethod
+    def bytes_per_block(layers: int, block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * layers * block_size * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+    def blocks_for(self, tokens: int) -> int:
+        return math.ceil(tokens / self.block_size)
 
     @property
-    def tokens(self) -> int:
-        return next(iter(self.layers.values()))[0].shape[-2] if self.layers else 0
+    def used(self) -> int:
+        return self.blocks - len(self.free_blocks)
+
+    def reserve(self, rid: str, tokens: int) -> None:
+        """Grow `rid`'s block table to hold `tokens` tokens."""
+        table = self.tables.setdefault(rid, [])
+        need = self.blocks_for(tokens) - len(table)
+        if need > len(self.free_blocks):
+            raise PoolFull(f"request {rid}: {need} more KV blocks needed, {len(self.free_blocks)} free")
+        table.extend(self.free_blocks.pop() for _ in range(max(need, 0)))
+        self.tokens.setdefault(rid, 0)
+
+    def slots(self, rid: str, start: int, stop: int) -> torch.Tensor:
+        """Pool slots of `rid`'s tokens [start, stop)."""
+        table = torch.tensor(self.tables[rid], dtype=torch.long, device=self.k.device)
+        pos = torch.arange(start, stop, device=self.k.device)
+        return table[pos // self.block_size] * self.block_size + pos % self.block_size
+
+    def release(self, rid: str) -> None:
+        self.free_blocks.extend(reversed(self.tables.pop(rid, [])))
+        self.tokens.pop(rid, None)
+
+
+def free_memory(device: torch.device) -> int:
+    """Bytes free on `device`: the CUDA driver's figure, or the host's MemAvailable."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no MemAvailable in /proc/meminfo: give the KV pool in GiB (kv_cache_gib)")
 
 
 def checkpoint_layers(checkpoint: str | Path) -> int:
@@ -100,10 +157,15 @@ class Shard(nn.Module):
     With a tensor-parallel `tp_group` of size t, each rank keeps 1/t of the attention heads (query and KV) and of
     the MLP's intermediate features, Megatron-style: q/k/v/gate/up split by output features, o/down by input
     features and summed over the group (`AllReduced`); embedding, norms and lm_head are replicated. The KV
-    cache of a rank holds its heads only."""
+    cache of a rank holds its heads only.
+
+    The KV pool gets `kv_blocks` blocks of `block_size` tokens, or (`kv_blocks` 0) as many as fit in
+    `kv_cache_fraction` of the device's free memory once the weights are loaded (if > 0), else in `kv_cache_gib`
+    GiB."""
 
     def __init__(self, checkpoint: str | Path, first: int, last: int, device: str = "cpu",
-                 tp_group: Any = None) -> None:
+                 tp_group: Any = None, kv_cache_gib: float = 0.25, block_size: int = 16,
+                 kv_blocks: int = 0, kv_cache_fraction: float = 0.0) -> None:
         super().__init__()
         checkpoint = Path(checkpoint)
         config: LlamaConfig = AutoConfig.from_pretrained(checkpoint)
@@ -135,9 +197,13 @@ class Shard(nn.Module):
                     _keep_cols(lin, self.tp_rank, self.tp_size)
                 att.o_proj, mlp.down_proj = AllReduced(att.o_proj, tp_group), AllReduced(mlp.down_proj, tp_group)
         self.eval()
-        params = inspect.signature(LlamaDecoderLayer.forward).parameters
-        self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
-        self.kv: dict[str, RequestKV] = {}
+        self.head_dim: int = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        kv_heads = int(config.num_key_value_heads or config.num_attention_heads) // self.tp_size
+        per_block = KVPool.bytes_per_block(last - first, block_size, kv_heads, self.head_dim, self.dtype)
+        budget = kv_cache_fraction * free_memory(self.device) if kv_cache_fraction > 0 else kv_cache_gib * 2**30
+        blocks = kv_blocks or int(budget) // per_block
+        self.pool = KVPool(last - first, blocks, block_size, kv_heads, self.head_dim, self.dtype, self.device)
+        self.exported: dict[str, set[int]] = {}  # request -> layers handed off so far (blocks freed when all are)
 
     def _load(self, checkpoint: Path) -> None:
         """Read only this shard's tensors (checkpoint names mapped to the shard's module names)."""
@@ -168,48 +234,94 @@ class Shard(nn.Module):
         self.load_state_dict(state, strict=True, assign=True)
 
     @torch.inference_mode()
-    def forward_request(self, rid: str, x: torch.Tensor, start: int) -> torch.Tensor:
-        """Run one request's new tokens through the shard: `x` is token ids (n,) on the first stage, hidden
-        states (n, hidden) otherwise; `start` is the position of the first new token. The request's KV grows.
-        Returns hidden states (n, hidden), or the last position's logits (vocab,) on the last stage."""
-        kv = self.kv.setdefault(rid, RequestKV())
-        if kv.tokens != start:
-            raise RuntimeError(f"request {rid}: KV holds {kv.tokens} tokens on layers "
-                               f"[{self.first}, {self.last}), the step starts at position {start}")
+    def forward_batch(self, steps: list[Step], x: torch.Tensor) -> torch.Tensor:
+        """Run a micro-batch through the shard: `x` is the steps' new token ids (tokens,) on the first stage,
+        their hidden states (tokens, hidden) otherwise, concatenated in step order. Each request's KV holds
+        exactly `start` tokens before its step (its blocks are reserved here). Returns hidden states
+        (tokens, hidden), or on the last stage the logits (sampled steps, vocab) of each sampled step's last
+        token."""
+        pool = self.pool
+        for s in steps:
+            held = pool.tokens.get(s.rid, 0)
+            if held != s.start:
+                raise RuntimeError(f"request {s.rid}: KV holds {held} tokens on layers "
+                                   f"[{self.first}, {self.last}), the step starts at position {s.start}")
+            pool.reserve(s.rid, s.start + s.n)
         h = self.embed(x.to(self.device)) if self.embed is not None else x.to(self.device, self.dtype)
-        h = h.unsqueeze(0)
-        positions = torch.arange(start, start + h.shape[1], device=self.device).unsqueeze(0)
-        rope = self.rotary(h, positions)
-        for layer in self.layers:
-            out = layer(h, attention_mask=None, position_ids=positions, position_embeddings=rope, use_cache=True,
-                        **{self._cache_kwarg: kv})
-            h = out[0] if isinstance(out, tuple) else out
+        positions = torch.cat([torch.arange(s.start, s.start + s.n, device=self.device) for s in steps])
+        cos, sin = self.rotary(h, positions.unsqueeze(0))
+        new_slots = torch.cat([pool.slots(s.rid, s.start, s.start + s.n) for s in steps])
+        past_slots = [pool.slots(s.rid, 0, s.start + s.n) for s in steps]
+        masks = [None if s.start == 0 or s.n == 1
+                 else torch.ones(s.n, s.start + s.n, dtype=torch.bool, device=self.device).tril(s.start)
+                 for s in steps]
+        offsets = [0]
+        for s in steps:
+            offsets.append(offsets[-1] + s.n)
+        for j, decoder in enumerate(self.layers):
+            layer: Any = decoder
+            att: Any = layer.self_attn
+            y = layer.input_layernorm(h)
+            q = att.q_proj(y).view(len(h), -1, self.head_dim)
+            k = att.k_proj(y).view(len(h), -1, self.head_dim)
+            v = att.v_proj(y).view(len(h), -1, self.head_dim)
+            q, k = apply_rotary_pos_emb(q, k, cos[0], sin[0], unsqueeze_dim=1)
+            pool.k[j].index_copy_(0, new_slots, k)
+            pool.v[j].index_copy_(0, new_slots, v)
+            out = torch.empty_like(q)
+            for s, a, b, slots, mask in zip(steps, offsets[:-1], offsets[1:], past_slots, masks, strict=True):
+                keys = pool.k[j].index_select(0, slots).transpose(0, 1).unsqueeze(0)
+                values = pool.v[j].index_select(0, slots).transpose(0, 1).unsqueeze(0)
+                res = scaled_dot_product_attention(
+                    q[a:b].transpose(0, 1).unsqueeze(0), keys, values, attn_mask=mask,
+                    is_causal=s.start == 0 and s.n > 1, scale=att.scaling, enable_gqa=True)
+                out[a:b] = res[0].transpose(0, 1)
+            h = h + att.o_proj(out.view(len(h), -1))
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        for s in steps:
+            pool.tokens[s.rid] = s.start + s.n
         if self.norm is None or self.head is None:
-            return h[0]
-        return self.head(self.norm(h[:, -1:]))[0, 0].float()
+            return h
+        last = torch.tensor([b - 1 for s, b in zip(steps, offsets[1:], strict=True) if s.sample],
+                            dtype=torch.long, device=self.device)
+        return self.head(self.norm(h.index_select(0, last))).float()
+
+    def holds(self, rid: str) -> bool:
+        return rid in self.pool.tables
 
     def export_kv(self, rid: str, first: int, last: int) -> dict[int, KV]:
-        """Remove and return the KV of layers [first, last) of request `rid` (the rest stays)."""
-        kv = self.kv.get(rid)
-        if kv is None:
+        """Remove and return the KV of layers [first, last) of request `rid`, as (1, kv_heads, tokens,
+        head_dim) tensors; its blocks are freed once every layer of the shard is handed off."""
+        layers = range(max(first, self.first), min(last, self.last))
+        if not self.holds(rid) or self.exported.get(rid, set()) & set(layers):
             raise KeyError(f"request {rid}: no KV on layers [{self.first}, {self.last})")
-        out = {i: kv.layers.pop(i) for i in range(max(first, self.first), min(last, self.last))}
-        if not kv.layers:
-            del self.kv[rid]
+        slots = self.pool.slots(rid, 0, self.pool.tokens[rid])
+        out = {i: (self.pool.k[i - self.first].index_select(0, slots).transpose(0, 1).unsqueeze(0),
+                   self.pool.v[i - self.first].index_select(0, slots).transpose(0, 1).unsqueeze(0))
+               for i in layers}
+        done = self.exported.setdefault(rid, set())
+        done.update(layers)
+        if len(done) == self.last - self.first:
+            self.free(rid)
         return out
 
     def import_kv(self, rid: str, layers: dict[int, KV]) -> None:
-        """Install KV received for request `rid`, all heads (a tensor-parallel rank keeps its own); layers outside
-        the shard are an error."""
+        """Install KV received for request `rid` (every layer of the shard), all heads (a tensor-parallel rank
+        keeps its own); layers outside the shard are an error."""
         if self.tp_size > 1:
             layers = {i: (k.chunk(self.tp_size, 1)[self.tp_rank], v.chunk(self.tp_size, 1)[self.tp_rank])
                       for i, (k, v) in layers.items()}
         outside = [i for i in layers if not self.first <= i < self.last]
         if outside:
             raise ValueError(f"request {rid}: layers {outside} are not on shard [{self.first}, {self.last})")
-        kv = self.kv.setdefault(rid, RequestKV())
+        tokens = next(iter(layers.values()))[0].shape[-2]
+        self.pool.reserve(rid, tokens)
+        slots = self.pool.slots(rid, 0, tokens)
         for i, (k, v) in layers.items():
-            kv.layers[i] = (k.to(self.device, self.dtype), v.to(self.device, self.dtype))
+            self.pool.k[i - self.first].index_copy_(0, slots, k[0].transpose(0, 1).to(self.device, self.dtype))
+            self.pool.v[i - self.first].index_copy_(0, slots, v[0].transpose(0, 1).to(self.device, self.dtype))
+        self.pool.tokens[rid] = tokens
 
     def free(self, rid: str) -> None:
-        self.kv.pop(rid, None)
+        self.pool.release(rid)
+        self.exported.pop(rid, None)

@@ -109,7 +109,7 @@ def subprocess_launcher(
                 raise CoralInputError(f"cannot start {cmd[0]!r}: is vLLM installed on this machine?") from exc
             url = f"http://127.0.0.1:{port}"
             try:
-                _wait_ready(url, proc, ready_timeout, log)
+                wait_ready(url, proc, ready_timeout, log)
                 yield url
             finally:
                 proc.terminate()
@@ -122,7 +122,9 @@ def subprocess_launcher(
     return launch
 
 
-def _wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float, log: IO[bytes]) -> None:
+def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float, log: IO[bytes]) -> None:
+    """Until the server at `url` answers /health; CoralInputError with the tail of its `log` (opened for
+    reading and writing) when its process exits first, or after `timeout` s."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:

@@ -291,27 +291,18 @@ def build_library(
     catalog: Catalog | None = None,
     perf: RooflineModel | None = None,
     workers: int | None = None,
-    progress: bool = False,
+    progress: Callable[[int, int], None] | None = None,
     use_ray: bool = False,
     models: Sequence[str] | None = None,
     stage_filter: StageFilter | None = None,
 ) -> TemplateLibrary:
-    """All templates of every (model, phase) of `scenario`. Raises CoralInputError for a model that fits on no
-    allowed node combination."""
+    """All templates of every (model, phase) of `scenario`; `progress(done, total)` is called as the placement
+    jobs finish. Raises CoralInputError for a model that fits on no allowed node combination."""
     catalog = catalog or market_catalog(scenario)
     perf = perf or RooflineModel()
     jobs = scenario_jobs(scenario, catalog, models)
     t0 = time.perf_counter()
-    if progress:
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
-
-        with Progress(
-            "[progress.description]{task.description}", BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()
-        ) as bar:
-            task = bar.add_task(f"templates for {scenario.name}", total=None)
-            results = run_jobs(jobs, perf, workers, use_ray, lambda d, t: bar.update(task, completed=d, total=t))
-    else:
-        results = run_jobs(jobs, perf, workers, use_ray)
+    results = run_jobs(jobs, perf, workers, use_ray, progress)
     meta = {
         "scenario": scenario.name,
         "n_max": str(scenario.n_max),

@@ -1,0 +1,309 @@
+"""The Coral engine on one CUDA GPU, offline: a Llama-3-8B-architecture model made locally, whole vs 2 stages.
+
+    python benchmarks/gpu_engine.py [--device cuda] [--layers 32] [--out out/benchmarks/gpu_engine]
+    python benchmarks/gpu_engine.py --device cpu        # the same steps at a tiny size (a test runs this)
+
+Nothing is downloaded: the script writes the config (Llama-3-8B's shapes: 32 layers, hidden 4096, MLP 14336,
+32 query / 8 KV heads, vocab 128256, rope theta 5e5), a byte-level BPE tokenizer trained locally, and seeded
+random bf16 weights (one safetensors file per layer, ~16 GB at full size) under `--workdir`. Then:
+
+1. Exactness: the same prompts, greedy, on the whole model as one Coral node and as a 2-stage pipeline (two nodes
+   on the same device, as threads of this process: NCCL does not pair two processes on one GPU). Requests sent
+   one at a time must give identical tokens and logits (same micro-batches, same kernels); requests sent
+   together are reported (bf16 micro-batches of different shapes round differently). Also compared with
+   `transformers` running the model whole (reported: bf16 ties can flip a greedy token).
+2. Throughput: output tokens/s of `--requests` concurrent requests, whole vs pipeline.
+3. A measured per-layer profile (Helix layout, as `coral perf profile` writes, readable by `ProfileSet.read`):
+   prefill and decode step times of shards of two layer counts, per-layer ms as the slope, in
+   `<out>/<config>/{prompt,decode}_bs2time.csv` with `<out>/profile.yaml`.
+
+Writes `<out>/gpu_engine.json` and prints a summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import random
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import yaml
+
+from coral.engine.instance import CoralInstance, EngineConfig
+from coral.engine.layout import Layout
+from coral.engine.reference import WholeModel
+from coral.engine.scheduler import Request
+from coral.engine.shard import Shard, Step
+from coral.engine.tiny_model import TinyLlamaSpec, make_tiny_llama
+from coral.perf.measured import MANIFEST, PROFILE_FILES, ProfileManifest
+from coral.perf.model import Phase
+
+
+@dataclass(frozen=True)
+class Size:
+    """Model shape and workload of a run."""
+
+    spec: TinyLlamaSpec
+    prompt: int  # tokens per prompt (exactness, throughput, decode context)
+    output: int
+    requests: int
+    prefill_tokens: tuple[int, ...]
+    decode_batches: tuple[int, ...]
+    layer_counts: tuple[int, int]
+    kv_gib: float
+
+
+LLAMA3_8B = Size(
+    TinyLlamaSpec(num_hidden_layers=32, hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
+                  num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, initializer_range=0.02),
+    prompt=512, output=32, requests=32, prefill_tokens=(512, 1024, 2048, 4096, 8192),
+    decode_batches=(1, 4, 16, 64, 128), layer_counts=(2, 4), kv_gib=16.0,
+)
+TINY = Size(
+    TinyLlamaSpec(num_hidden_layers=4, hidden_size=256, intermediate_size=896, num_attention_heads=8,
+                  num_key_value_heads=2, vocab_size=1024, max_position_embeddings=8192, initializer_range=0.02),
+    prompt=16, output=4, requests=4, prefill_tokens=(16, 64), decode_batches=(1, 4), layer_counts=(1, 2),
+    kv_gib=0.01,
+)
+
+
+def make_model(out: Path, spec: TinyLlamaSpec, seed: int = 0) -> Path:
+    """Config (Llama-3 rope and bf16) and tokenizer, then seeded random bf16 weights written one layer at a time
+    (generated on the GPU when there is one), with a safetensors index."""
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    stamp = out / "coral_gpu_engine.json"
+    if stamp.exists() and json.loads(stamp.read_text()) == {"spec": repr(spec), "seed": seed}:
+        return out
+    make_tiny_llama(out, spec, weights=False)  # tokenizer and a float32 config of these shapes
+    config = LlamaConfig.from_pretrained(out)
+    config.rope_parameters = {"rope_type": "default", "rope_theta": 500000.0}
+    config.dtype = "bfloat16"
+    config.save_pretrained(out)
+    with torch.device("meta"):
+        shapes = {k: v.shape for k, v in LlamaForCausalLM(config).state_dict().items()}
+    gen_device = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator(gen_device).manual_seed(seed)
+    groups: dict[str, list[str]] = {}
+    for name in shapes:
+        part = name.split(".")
+        key = f"layer{int(part[2]):03d}" if name.startswith("model.layers.") else "other"
+        groups.setdefault(key, []).append(name)
+    weight_map = {}
+    for key, names in groups.items():
+        tensors = {}
+        for name in names:
+            if name.endswith("norm.weight"):
+                tensors[name] = torch.ones(shapes[name], dtype=torch.bfloat16)
+            else:
+                w = torch.randn(shapes[name], generator=gen, device=gen_device, dtype=torch.float32)
+                tensors[name] = (w * spec.initializer_range).to(torch.bfloat16).cpu()
+        fname = f"model-{key}.safetensors"
+        save_file(tensors, str(out / fname), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(names, fname))
+    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    stamp.write_text(json.dumps({"spec": repr(spec), "seed": seed}))
+    return out
+
+
+def generate(inst: CoralInstance, prompts: list[list[int]], output: int, together: bool
+             ) -> tuple[list[list[int]], list[torch.Tensor], float]:
+    """Greedy tokens and logits per prompt, and seconds: all submitted at once, or one after another."""
+    sched = inst.scheduler
+    assert sched is not None
+    tokens: list[list[int]] = [[] for _ in prompts]
+    logits: list[list[list[float]]] = [[] for _ in prompts]
+    done = [threading.Event() for _ in prompts]
+
+    def on_event(i: int) -> Callable[[int | None, str | None, list[float] | None], None]:
+        def handle(token: int | None, finish: str | None, lg: list[float] | None) -> None:
+            if token is not None:
+                tokens[i].append(token)
+                logits[i].append(lg or [])
+            if finish is not None:
+                done[i].set()
+
+        return handle
+
+    start = time.perf_counter()
+    for i, p in enumerate(prompts):
+        sched.submit(Request(rid=f"g{start}-{i}", prompt=p, max_tokens=output, on_event=on_event(i),
+                             want_logits=True))
+        if not together and not done[i].wait(1800):
+            raise TimeoutError("request did not finish")
+    for ev in done:
+        if not ev.wait(1800):
+            raise TimeoutError("request did not finish")
+    return tokens, [torch.tensor(lg) for lg in logits], time.perf_counter() - start
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def step_seconds(shard: Shard, steps: list[Step], x: torch.Tensor, repeats: int = 3) -> float:
+    """Fastest of `repeats` runs of one micro-batch, after a warm-up run (each request's KV reset to its step's
+    start before each run)."""
+    best = float("inf")
+    for k in range(repeats + 1):
+        for s in steps:
+            tokens = shard.pool.tokens.get(s.rid, 0)
+            if tokens > s.start:
+                shard.pool.tokens[s.rid] = s.start  # rewrite the step's slots
+        sync(shard.device)
+        t = time.perf_counter()
+        shard.forward_batch(steps, x)
+        sync(shard.device)
+        if k:
+            best = min(best, time.perf_counter() - t)
+    return best
+
+
+def layer_profile(ckpt: Path, size: Size, device: str) -> dict[Phase, list[tuple[int, float]]]:
+    """Per-layer ms by batch tokens: prefill (`size.prefill_tokens` as bursts of `size.prompt`-token prompts)
+    and decode (a step of B requests with a `size.prompt`-token context), the slope between shards of two layer
+    counts (which cancels the embedding and the per-step overhead)."""
+    times: dict[int, dict[Phase, list[float]]] = {}
+    vocab = size.spec.vocab_size
+    for j in size.layer_counts:
+        shard = Shard(ckpt, 0, j, device, kv_cache_gib=size.kv_gib)
+        rows: dict[Phase, list[float]] = {Phase.PREFILL: [], Phase.DECODE: []}
+        for total in size.prefill_tokens:
+            steps = [Step(f"p{total}-{k}", 0, size.prompt, False) for k in range(max(total // size.prompt, 1))]
+            x = torch.randint(7, vocab, (sum(s.n for s in steps),))
+            rows[Phase.PREFILL].append(step_seconds(shard, steps, x))
+            for s in steps:
+                shard.free(s.rid)
+        for batch in size.decode_batches:
+            rids = [f"d{batch}-{k}" for k in range(batch)]
+            shard.forward_batch([Step(r, 0, size.prompt, False) for r in rids],
+                                torch.randint(7, vocab, (batch * size.prompt,)))
+            steps = [Step(r, size.prompt, 1) for r in rids]
+            rows[Phase.DECODE].append(step_seconds(shard, steps, torch.randint(7, vocab, (batch,))))
+            for r in rids:
+                shard.free(r)
+        times[j] = rows
+        del shard
+        if torch.device(device).type == "cuda":
+            torch.cuda.empty_cache()
+    j1, j2 = size.layer_counts
+    # at least 1 us per layer (as `coral perf profile`): noise can make a tiny slope negative
+    return {phase: [(b, max((times[j2][phase][i] - times[j1][phase][i]) / (j2 - j1), 1e-6) * 1e3)
+                    for i, b in enumerate(batches)]
+            for phase, batches in ((Phase.PREFILL, size.prefill_tokens), (Phase.DECODE, size.decode_batches))}
+
+
+def write_profile(out: Path, config: str, rows: dict[Phase, list[tuple[int, float]]], size: Size) -> None:
+    """Helix layout: headerless `batch,ms` rows from `0,0`, and the folder's profile.yaml."""
+    folder = out / config
+    folder.mkdir(parents=True, exist_ok=True)
+    for phase, pairs in rows.items():
+        lines = ["0,0", *(f"{b},{ms:.4f}" for b, ms in pairs)]
+        (folder / PROFILE_FILES[phase]).write_text("\n".join(lines) + "\n")
+    date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d")
+    manifest = ProfileManifest(
+        model="llama-3-8b-architecture (random bf16 weights)", input_tokens=float(size.prompt),
+        output_tokens=float(size.output), configs={config: config},
+        source=f"{config}: measured {date} by `python {' '.join(sys.argv)}` with the Coral engine's shard "
+               f"(layer counts {size.layer_counts}, fastest of 3)",
+    )
+    (out / MANIFEST).write_text(yaml.safe_dump(manifest.model_dump(exclude_none=True), sort_keys=False))
+
+
+def gpu_config(device: str) -> str:
+    """A node config name for the device: '1xH200' from 'NVIDIA H200', '1xCPU' on the CPU."""
+    if torch.device(device).type != "cuda":
+        return "1xCPU"
+    name = torch.cuda.get_device_name(torch.device(device)).replace("NVIDIA ", "").split()[0]
+    return f"1x{name}"
+
+
+def main(argv: list[str] | None = None) -> dict[str, object]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", default="cuda", help="cuda | cuda:N | cpu (cpu: tiny size)")
+    ap.add_argument("--layers", type=int, default=0, help="decoder layers (default: 32, or 4 on the CPU)")
+    ap.add_argument("--workdir", type=Path, default=None, help="where the model is written (default: a temp dir)")
+    ap.add_argument("--out", type=Path, default=Path("out/benchmarks/gpu_engine"))
+    args = ap.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("no CUDA device: run with --device cpu for the tiny size")
+    size = TINY if device.type == "cpu" else LLAMA3_8B
+    if args.layers:
+        size = Size(**{**size.__dict__, "spec": TinyLlamaSpec(**{**size.spec.__dict__,
+                                                                   "num_hidden_layers": args.layers})})
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda:0")
+    tmp = None if args.workdir else tempfile.mkdtemp(prefix="coral-gpu-engine-")
+    workdir = args.workdir or Path(str(tmp))
+    try:
+        return run(size, str(device), workdir / "llama-3-8b-arch", args.out)
+    finally:
+        if tmp:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def run(size: Size, device: str, model_dir: Path, out: Path) -> dict[str, object]:
+    t0 = time.perf_counter()
+    ckpt = make_model(model_dir, size.spec)
+    made_s = time.perf_counter() - t0
+    n = size.spec.num_hidden_layers
+    rng = random.Random(0)
+    prompts = [[rng.randrange(7, size.spec.vocab_size) for _ in range(size.prompt - k)]
+               for k in range(size.requests)]
+    check = prompts[:4]
+    cfg = EngineConfig(local=True, http=False, device=device, kv_cache_gib=size.kv_gib, max_batch=size.requests)
+    results: dict[str, dict[str, object]] = {}
+    outputs: dict[str, tuple[list[list[int]], list[torch.Tensor]]] = {}
+    for name, layout in (("whole", Layout.of([n], [["whole"]])),
+                         ("pipeline", Layout.of([n // 2, n - n // 2], [["s0"], ["s1"]]))):
+        inst = CoralInstance(layout, ckpt, cfg).start()
+        try:
+            generate(inst, check[:1], 2, together=False)  # warm-up
+            tokens, logits, _ = generate(inst, check, size.output, together=False)
+            batched, _, _ = generate(inst, check, size.output, together=True)
+            out_tokens, _, secs = generate(inst, prompts, size.output, together=True)
+        finally:
+            inst.stop()
+        outputs[name] = (tokens, logits)
+        results[name] = {"output_tokens_per_s": sum(map(len, out_tokens)) / secs, "seconds": secs,
+                         "batched_equals_sequential": batched == tokens}
+    (whole_tokens, whole_logits), (pipe_tokens, pipe_logits) = outputs["whole"], outputs["pipeline"]
+    pipeline_exact = pipe_tokens == whole_tokens and all(
+        torch.equal(a, b) for a, b in zip(whole_logits, pipe_logits, strict=True))
+    reference = WholeModel(ckpt, device)
+    ref = [(tokens, logits.float().cpu()) for tokens, logits in (reference.greedy(p, size.output) for p in check)]
+    del reference
+    agree = sum(r[0] == t for r, t in zip(ref, whole_tokens, strict=True))
+    rel = max(float((lg - r[1]).abs().max() / r[1].abs().max()) for lg, r in zip(whole_logits, ref, strict=True))
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
+    rows = layer_profile(ckpt, size, device)
+    config = gpu_config(device)
+    write_profile(out, config, rows, size)
+    summary: dict[str, object] = {
+        "device": device, "config": config, "layers": n, "hidden": size.spec.hidden_size,
+        "model_written_s": made_s, "pipeline_exact_vs_whole": pipeline_exact,
+        "transformers_token_agreement": f"{agree}/{len(check)}", "transformers_max_rel_logit_diff": rel,
+        "throughput": results, "per_layer_ms": {str(p): r for p, r in rows.items()},
+        "prompt": size.prompt, "output": size.output, "requests": size.requests,
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gpu_engine.json").write_text(json.dumps(summary, indent=2))
+    print(json.dumps(summary, indent=2))
+    return summary
+
+
+if __name__ == "__main__":
+    main()
