@@ -26,7 +26,7 @@ UNLIMITED = "unlimited"
 #: max-min and goodput problems of at most this many variables go to HiGHS whole, warm-started: there the LP
 #: pipeline's rounds cost more than they save (`benchmarks/allocator.py --replan`)
 DIRECT_COLUMNS = 4000
-RESERVE = 0.06  # share of the time limit kept for building the plan and HiGHS's overrun of its own limits
+RESERVE = 0.1  # share of the time limit kept for building the plan and HiGHS's overrun of its own limits
 FAIRNESS = 0.5  # goodput mode: every model keeps at least this share of the uniform max-min fraction
 
 
