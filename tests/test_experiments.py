@@ -177,11 +177,11 @@ def test_scarce_plans_are_judged_on_the_share_they_serve(out: Path) -> None:
     """Under scarcity each model is offered the share of its requests its plan serves (the rest shed and
     counted as missed): the shares are the plan's least served fraction per model, and attainment over all
     offered requests never exceeds the least share served."""
-    from coral.experiments.allocation import Inputs, Judge, _availability, admitted_shares
+    from coral.experiments.allocation import Inputs, Judge, _availability
 
     sc, cat, lib = Inputs(out)("core")
     plan = allocate(lib, sc, availability=_availability(sc, lib, 0.5, cat), mode="goodput", catalog=cat)
-    shares = admitted_shares(plan)
+    shares = plan.model_shares()
     assert shares == {m.model: min(s.served_fraction for s in plan.serving if s.model == m.model) for m in sc.models}
     assert min(shares.values()) < 1
     judged = Judge()(plan, sc, cat)

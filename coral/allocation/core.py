@@ -535,10 +535,10 @@ def water_fill(cols: Columns, market: Market, target: np.ndarray, base: np.ndarr
 
 
 def full_start(x: np.ndarray, problem: Problem, layout: Layout, cols: Columns, penalty_k: float | None,
-               shares: np.ndarray | None = None, served: np.ndarray | None = None) -> np.ndarray:
+               shares: np.ndarray | None = None) -> np.ndarray:
     """Extend an instance vector to all variables of `problem`: class shares as given (default: each instance
-    serves its key's class mix in proportion), penalties at their minimum, served fractions f_k = `served`
-    (goodput; default 0), no slack."""
+    serves its key's class mix in proportion), penalties at their minimum, served fractions 0 (the allocator's
+    `_with_served` sets them from the capacity), no slack."""
     v = np.zeros(problem.n)
     v[:layout.n_x] = x
     if shares is not None:
@@ -550,9 +550,6 @@ def full_start(x: np.ndarray, problem: Problem, layout: Layout, cols: Columns, p
                                           x[j] * cols.throughput[j] * split / cols.class_thr[j, c], 0.0)
     run = np.flatnonzero(layout.penalty_of >= 0)
     v[layout.penalty_of[run]] = (penalty_k or 0.0) * cols.cost[run] * np.maximum(0.0, x[run] - cols.running[run])
-    if served is not None:
-        for k, col in layout.served_col.items():
-            v[col] = min(1.0, float(served[k]))
     return v
 
 

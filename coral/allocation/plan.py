@@ -201,6 +201,14 @@ class Plan(_PlanModel):
     def instances_of(self, model: str, phase: str) -> list[PlanInstance]:
         return [i for i in self.instances if i.model == model and i.phase == phase]
 
+    def model_shares(self) -> dict[str, float]:
+        """Per model, the share of its demand served in both phases (the lesser of the two: a request needs
+        both); 1 for a phase without demand."""
+        out: dict[str, float] = {}
+        for s in self.serving:
+            out[s.model] = min(out.get(s.model, 1.0), s.served_fraction if s.demand > 0 else 1.0)
+        return out
+
     def save(self, path: str | Path) -> Path:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)

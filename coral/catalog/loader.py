@@ -195,15 +195,40 @@ def load_scenario(name_or_path: str | Path, catalog: Catalog | None = None) -> S
     return scenario
 
 
+def scenario_and_market(scenario: str | Path, offerings: str | Path | None = None) -> tuple[Scenario, Catalog]:
+    """The scenario, checked against the market it plans in (`offerings` when given, which then becomes the
+    scenario's `offerings` file, so that its later readers plan in it too), and that market."""
+    if offerings is None:
+        sc = load_scenario(scenario)
+        return sc, market_catalog(sc)
+    market = load_offerings(offerings)
+    return load_scenario(scenario, market).model_copy(update={"offerings": str(Path(offerings).resolve())}), market
+
+
 def load_offerings(path: str | Path, base: Catalog | None = None) -> Catalog:
     """`base` (default: the built-in catalog) with its offerings replaced by those of the file at `path`,
     validated like every input file (schema, and every offering's GPU known)."""
+    return offerings_catalog(load_file(OfferingCatalog, path).offerings, str(path), base)
+
+
+def offerings_catalog(offerings: list[NodeOffering], source: str, base: Catalog | None = None) -> Catalog:
+    """`base` (default: the built-in catalog) with its offerings replaced by `offerings` (read from `source`),
+    every offering's GPU known."""
     base = base or builtin_catalog()
-    offers = load_file(OfferingCatalog, path)
-    for i, o in enumerate(offers.offerings):
+    for i, o in enumerate(offerings):
         if o.gpu not in base.gpus:
-            raise CoralInputError(f"{path}: offerings.{i}.gpu: unknown GPU {o.gpu!r}; known: {', '.join(sorted(base.gpus))}")
-    return base.with_offerings(list(offers.offerings))
+            raise CoralInputError(f"{source}: offerings.{i}.gpu: unknown GPU {o.gpu!r}; known: {', '.join(sorted(base.gpus))}")
+    return base.with_offerings(list(offerings))
+
+
+def check_region_table(table: Mapping[str, Mapping[str, Any]], scenario: Scenario, where: str) -> None:
+    """Every region and config of a {region: {config: value}} table (at `where` of an input) in the scenario."""
+    for region, cfgs in table.items():
+        if region not in scenario.regions:
+            raise CoralInputError(f"{where}: region {region!r} is not in the scenario")
+        for cfg in cfgs:
+            if cfg not in scenario.configs:
+                raise CoralInputError(f"{where}.{region}: config {cfg!r} not in scenario")
 
 
 def market_catalog(scenario: Scenario, offerings: str | Path | None = None) -> Catalog:

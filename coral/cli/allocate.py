@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import typer
 
-from coral.catalog.loader import CoralInputError
+from coral.catalog.loader import CoralInputError, scenario_and_market
 from coral.cli.common import (
     DEFAULT_OUT,
     ENGINE_HELP,
@@ -18,7 +18,6 @@ from coral.cli.common import (
     friendly_errors,
     out_console,
     print_json,
-    scenario_and_market,
 )
 from coral.cli.deploy import TARGET_HELP, plan_file_name
 
@@ -67,9 +66,7 @@ def plan_table(plan: Plan) -> FoldingTable:
 def served_in_words(plan: Plan) -> str:
     """How much of the demand a plan serves, in plain words: per model the share of its requests both its
     phases can take (the least served of the two), and the generated tokens/s that makes."""
-    share: dict[str, float] = {}
-    for s in plan.serving:
-        share[s.model] = min(share.get(s.model, 1.0), s.served_fraction if s.demand > 0 else 1.0)
+    share = plan.model_shares()
     asked = sum(s.demand for s in plan.serving if s.phase == "decode")
     if all(v >= 1 - 1e-9 for v in share.values()):
         return f"all demand ({asked:,.0f} generated tok/s planned) at ${plan.cost_per_hour:,.2f}/h"

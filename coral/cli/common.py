@@ -17,8 +17,7 @@ from typing import Any, TypeVar
 import typer
 from rich.console import Console
 
-from coral.catalog.loader import Catalog, CoralInputError, load_offerings, load_scenario, market_catalog
-from coral.catalog.schema import Scenario
+from coral.catalog.loader import CoralInputError
 
 #: columns of output that goes to no terminal (a pipe, a file, a test) when COLUMNS is unset: wide enough that
 #: tables keep model and instance names on one line
@@ -92,15 +91,6 @@ def _plain(value: Any) -> Any:
 
 
 JSON_HELP = "print the result as one JSON document on stdout (progress and notes go to stderr)"
-
-
-def scenario_and_market(scenario: str, offerings: Path | None) -> tuple[Scenario, Catalog]:
-    """The scenario, checked against the market it plans in (`offerings` when given, which then becomes the
-    scenario's `offerings` file), and that market."""
-    sc = load_scenario(scenario, load_offerings(offerings) if offerings is not None else None)
-    if offerings is not None:  # downstream readers of the scenario (re-planners, baselines) plan in it too
-        sc = sc.model_copy(update={"offerings": str(offerings.resolve())})
-    return sc, market_catalog(sc)
 
 
 def library_path(scenario: str, out: Path = DEFAULT_OUT) -> Path:

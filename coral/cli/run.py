@@ -12,7 +12,7 @@ import typer
 from rich.console import Console
 from rich.status import Status
 
-from coral.catalog.loader import CoralInputError
+from coral.catalog.loader import CoralInputError, scenario_and_market
 from coral.cli.common import (
     DEFAULT_OUT,
     ENGINE_HELP,
@@ -21,7 +21,6 @@ from coral.cli.common import (
     friendly_errors,
     out_console,
     print_json,
-    scenario_and_market,
 )
 from coral.cli.deploy import TARGET_HELP
 

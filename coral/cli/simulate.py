@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import typer
 from rich.console import Console
 
-from coral.catalog.loader import CoralInputError
+from coral.catalog.loader import CoralInputError, scenario_and_market
 from coral.cli.common import (
     DEFAULT_OUT,
     JSON_HELP,
@@ -18,7 +18,6 @@ from coral.cli.common import (
     friendly_errors,
     out_console,
     print_json,
-    scenario_and_market,
 )
 
 if TYPE_CHECKING:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import typer
 
-from coral.catalog.loader import CoralInputError, builtin_catalog, load_scenario
+from coral.catalog.loader import CoralInputError, builtin_catalog, load_scenario, scenario_and_market
 from coral.cli.common import (
     DEFAULT_OUT,
     OFFERINGS_HELP,
@@ -17,7 +17,6 @@ from coral.cli.common import (
     err_console,
     friendly_errors,
     library_path,
-    scenario_and_market,
 )
 
 templates_app = typer.Typer(help="Offline stage: the Serving Template Library.", no_args_is_help=True)

@@ -28,7 +28,7 @@ from coral.allocation.allocator import UNLIMITED, InfeasibleDemand, allocate
 from coral.allocation.availability import estimated_nodes, headroom_availability, resolve_availability
 from coral.allocation.demand import TUNING_SEED, DemandKey, run_length_s, scenario_demand
 from coral.allocation.plan import Plan
-from coral.catalog.loader import Catalog, builtin_catalog, load_offerings, load_scenario, market_catalog
+from coral.catalog.loader import Catalog, builtin_catalog, scenario_and_market
 from coral.catalog.schema import Scenario
 from coral.experiments.paper import paper_setting, waterfall_settings
 from coral.templates.library import TemplateLibrary
@@ -60,12 +60,7 @@ class Inputs:
 
     def __call__(self, name: str) -> tuple[Scenario, Catalog, TemplateLibrary]:
         if name not in self._cache:
-            if self.offerings is None:
-                sc = load_scenario(name)
-                cat = market_catalog(sc)
-            else:
-                cat = load_offerings(self.offerings)
-                sc = load_scenario(name, cat).model_copy(update={"offerings": str(self.offerings.resolve())})
+            sc, cat = scenario_and_market(name, self.offerings)
             self._cache[name] = (sc, cat, load_library(name, self.out, cat))
         return self._cache[name]
 
@@ -88,7 +83,7 @@ class Judge:
         if key not in self._workloads:
             self._workloads[key] = workload_for(sc, duration, HELD_OUT_SEED)
         offered = self._workloads[key]
-        admitted = thinned(offered, admitted_shares(plan), HELD_OUT_SEED)
+        admitted = thinned(offered, plan.model_shares(), HELD_OUT_SEED)
         sim = simulate(plan, sc, admitted, duration_s=duration, seed=HELD_OUT_SEED, catalog=catalog)
         tokens = sum(float(r.output_tokens.sum()) for r in offered.values()) / duration
         requests = {m: len(r) for m, r in offered.items()}
@@ -99,14 +94,6 @@ class Judge:
                 "goodput_share": round(sim.goodput_tokens_s / tokens, 4) if tokens else 1.0,
                 "attainment": round(sum(good[m] * requests[m] for m in good) / max(sum(requests.values()), 1), 4),
                 "least_attainment": round(min(good.values(), default=1.0), 4)}
-
-
-def admitted_shares(plan: Plan) -> dict[str, float]:
-    """Per model, the share of its demand the plan serves in both phases (1 where it meets the demand)."""
-    out: dict[str, float] = {}
-    for s in plan.serving:
-        out[s.model] = min(out.get(s.model, 1.0), s.served_fraction if s.demand > 0 else 1.0)
-    return out
 
 
 def _min_served(plan: Plan) -> float:

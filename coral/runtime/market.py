@@ -14,14 +14,16 @@ from pathlib import Path
 import httpx
 import yaml
 
-from coral.catalog.loader import Catalog, CoralInputError, builtin_catalog, validate
+from coral.catalog.loader import Catalog, CoralInputError, check_region_table, offerings_catalog, validate
 from coral.catalog.schema import MarketSnapshot, Scenario
 from coral.simulation.engine import ObservedDemand
 
 
-def read_market(location: str, scenario: Scenario, timeout_s: float = 5.0) -> tuple[MarketSnapshot, str]:
+def read_market(location: str, scenario: Scenario, base: Catalog, timeout_s: float = 5.0
+                ) -> tuple[MarketSnapshot, Catalog, str]:
     """The snapshot at `location` (a path, or an http:// / https:// URL), checked against the scenario (every
-    GPU known, every region and config of its availability in the scenario), and a digest of its content."""
+    GPU known, every region and config of its availability in the scenario); `base` with the offerings it
+    publishes (`base` itself where it publishes none); and a digest of its content."""
     try:
         if location.startswith(("http://", "https://")):
             response = httpx.get(location, timeout=timeout_s)
@@ -33,17 +35,9 @@ def read_market(location: str, scenario: Scenario, timeout_s: float = 5.0) -> tu
     except (OSError, httpx.HTTPError, yaml.YAMLError) as exc:
         raise CoralInputError(f"{location}: cannot read the market: {exc}") from None
     snap = validate(MarketSnapshot, data, location)
-    known = builtin_catalog().gpus
-    for i, o in enumerate(snap.offerings or []):
-        if o.gpu not in known:
-            raise CoralInputError(f"{location}: offerings.{i}.gpu: unknown GPU {o.gpu!r}")
-    for region, cfgs in (snap.availability or {}).items():
-        if region not in scenario.regions:
-            raise CoralInputError(f"{location}: availability.{region}: not a region of {scenario.name}")
-        for cfg in cfgs:
-            if cfg not in scenario.configs:
-                raise CoralInputError(f"{location}: availability.{region}.{cfg}: not a config of {scenario.name}")
-    return snap, hashlib.sha256(snap.model_dump_json().encode()).hexdigest()
+    catalog = base if snap.offerings is None else offerings_catalog(snap.offerings, location, base)
+    check_region_table(snap.availability or {}, scenario, f"{location}: availability")
+    return snap, catalog, hashlib.sha256(snap.model_dump_json().encode()).hexdigest()
 
 
 class MarketWatcher:
@@ -61,12 +55,12 @@ class MarketWatcher:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self.snapshot, self._digest = read_market(location, scenario)
+        self.snapshot, self._catalog, self._digest = read_market(location, scenario, base)
 
     def poll(self) -> bool:
         """Read the market once; True when it changed (then `on_change` has been called)."""
         try:
-            snap, digest = read_market(self.location, self.scenario)
+            snap, catalog, digest = read_market(self.location, self.scenario, self.base)
         except CoralInputError as exc:
             self.error = str(exc)
             return False
@@ -74,7 +68,7 @@ class MarketWatcher:
         with self._lock:
             if digest == self._digest:
                 return False
-            self.snapshot, self._digest = snap, digest
+            self.snapshot, self._catalog, self._digest = snap, catalog, digest
             self.changes += 1
         if self.on_change is not None:
             self.on_change()
@@ -83,15 +77,14 @@ class MarketWatcher:
     def catalog(self) -> Catalog:
         """The catalog with the published offerings (the base catalog's where none are published)."""
         with self._lock:
-            offers = self.snapshot.offerings
-        return self.base if offers is None else self.base.with_offerings(list(offers))
+            return self._catalog
 
     def apply(self, observed: ObservedDemand) -> ObservedDemand:
         """`observed` with the published availability and offerings in force (what a re-planner plans in)."""
         with self._lock:
-            avail = self.snapshot.availability
+            avail, catalog = self.snapshot.availability, self._catalog
         return dataclasses.replace(observed, availability=avail if avail is not None else observed.availability,
-                                   market=self.catalog())
+                                   market=catalog)
 
     def _loop(self) -> None:
         while not self._stop.wait(self.poll_s):

@@ -5,20 +5,15 @@ from __future__ import annotations
 import csv
 from pathlib import Path
 
-from coral.catalog.loader import CoralInputError, load_file, validate
+from coral.catalog.loader import CoralInputError, check_region_table, load_file, validate
 from coral.catalog.schema import AvailabilitySchedule, Scenario
 
 
 def check_schedule(schedule: AvailabilitySchedule, scenario: Scenario, source: str) -> None:
     """Every region and config a schedule names must be in the scenario."""
     for i, s in enumerate(schedule.steps):
-        for field, table in (("counts", s.counts), ("prices", s.prices)):
-            for region, cfgs in table.items():
-                if region not in scenario.regions:
-                    raise CoralInputError(f"{source}: steps.{i}.{field}: region {region!r} is not in the scenario")
-                for cfg in cfgs:
-                    if cfg not in scenario.configs:
-                        raise CoralInputError(f"{source}: steps.{i}.{field}.{region}: config {cfg!r} not in scenario")
+        check_region_table(s.counts, scenario, f"{source}: steps.{i}.counts")
+        check_region_table(s.prices, scenario, f"{source}: steps.{i}.prices")
 
 
 def load_availability(path: str | Path, scenario: Scenario | None = None) -> AvailabilitySchedule:
