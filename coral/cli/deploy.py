@@ -1,10 +1,11 @@
-"""`coral deploy`: write SkyPilot, Kubernetes or per-node vLLM launch files for a plan."""
+"""`coral deploy`: write SkyPilot, Kubernetes (KubeRay for the Coral engine) or per-node launch files for a plan,
+for stock vLLM or the Coral engine."""
 
 from __future__ import annotations
 
 from collections import defaultdict
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import typer
 
@@ -13,9 +14,19 @@ from coral.cli.common import DEFAULT_OUT, console, friendly_errors
 
 if TYPE_CHECKING:
     from coral.allocation.plan import Plan
+    from coral.deploy.render import Target
 
 TARGET_HELP = ("deploy target the plan is made for: skypilot | kubernetes | commands (implies --engine vllm; only "
                "templates that `coral deploy --target` launches)")
+
+CORAL_NEXT_STEP = {
+    "kuberay": "kubectl apply -f {out} (needs the KubeRay operator; the gateway is the Service <cluster>-gateway, "
+               "port 8080)",
+    "kubernetes": "kubectl apply -f {out}; coral gateway --endpoints {out}/endpoints.json",
+    "skypilot": "cd {out} && for f in *.sky.yaml; do sky serve up -y -n \"$(basename \"$f\" .sky.yaml)\" \"$f\"; done",
+    "commands": "copy {out} to every machine; per instance run its .scheduler.sh, then each .node<r>.sh on a machine of "
+                "its config (set CORAL_HEAD_ADDR to node 0's address and CORAL_SCHEDULER_ADDR to the scheduler's)",
+}
 
 NEXT_STEP = {
     "skypilot": "for f in {out}/*.sky.yaml; do sky serve up -y -n \"$(basename \"$f\" .sky.yaml)\" \"$f\" "
@@ -23,6 +34,10 @@ NEXT_STEP = {
     "kubernetes": "kubectl create secret generic hf-token --from-literal=token=\"$HF_TOKEN\"; kubectl apply -f {out}",
     "commands": "run each {out}/*.sh on its node (pipelines: set CORAL_HEAD_ADDR to the rank-0 node's address)",
 }
+
+
+CORAL_ADVICE = ("The Coral engine launches every instance on --target kuberay or kubernetes (one pod per node, "
+                "each pinned to its node config).")
 
 
 def plan_file_name(scenario: str, mode: str, method: str, engine: str, target: str | None) -> str:
@@ -62,13 +77,20 @@ def register(app: typer.Typer) -> None:
     @friendly_errors
     def deploy(
         plan: Path = typer.Option(..., "--plan", help="plan JSON written by `coral allocate` or `coral run`"),
-        target: str = typer.Option(..., "--target", help="skypilot | kubernetes | commands"),
+        target: str = typer.Option(..., "--target", help="vllm: skypilot | kubernetes | commands; coral: kuberay | "
+                                   "kubernetes | skypilot | commands"),
         out: Path = typer.Option(..., "--out", help="directory for the manifests"),
-        image: str | None = typer.Option(None, help="vLLM container image (kubernetes, skypilot; default: the "
-                                          "release `coral.deploy.render.VLLM_IMAGE` names)"),
+        engine: str = typer.Option("vllm", "--engine", help="vllm (stock vLLM) | coral (the Coral engine: every "
+                                   "instance, heterogeneous pipelines included)"),
+        checkpoint: str | None = typer.Option(None, help="--engine coral: the checkpoint directory as every node "
+                                              "sees it (absolute path, in the image or on a mounted volume)"),
+        image: str | None = typer.Option(None, help="container image (kubernetes, kuberay, skypilot; default: "
+                                          "`coral.deploy.render.VLLM_IMAGE`, or `coral.deploy.coral_engine."
+                                          "CORAL_IMAGE` with --engine coral: coral with the ray and engine extras "
+                                          "and a CUDA torch)"),
         strict: bool = typer.Option(False, help="also fail when only some instances of a model cannot be rendered"),
     ) -> None:
-        """Render stock-vLLM deployment manifests for every instance of a plan.
+        """Render deployment manifests for every instance of a plan: stock vLLM, or the Coral engine.
 
         Fails, writing nothing, when a (model, phase) of the plan would be left with no launchable instance.
         A plan made with `--target` for this target is always launched whole."""
@@ -76,31 +98,44 @@ def register(app: typer.Typer) -> None:
 
         from coral.allocation.plan import Plan
         from coral.catalog.loader import builtin_catalog
+        from coral.deploy import coral_engine
         from coral.deploy.render import (
             TARGETS,
-            VLLM_IMAGE,
             check_plan,
             render,
             skipped_instances,
             uncovered_keys,
         )
 
-        if target not in TARGETS:
-            raise CoralInputError(f"--target: must be one of {', '.join(TARGETS)}, not {target!r}")
+        if engine not in ("vllm", "coral"):
+            raise CoralInputError(f"--engine: must be vllm or coral, not {engine!r}")
+        if engine == "coral":
+            coral_engine.check_target(target, checkpoint)
+        elif target not in TARGETS:
+            raise CoralInputError(f"--target: must be one of {', '.join(TARGETS)}, not {target!r}"
+                                  + (" (kuberay: --engine coral)" if target == "kuberay" else ""))
+        elif checkpoint is not None:
+            raise CoralInputError("--checkpoint: only with --engine coral (stock vLLM loads the model by name)")
         p = Plan.load(plan)
         catalog = builtin_catalog()
         check_plan(p, catalog, f"--plan {plan}")
-        skipped = skipped_instances(p, target, catalog)
+        who = "the Coral engine" if engine == "coral" else "stock vLLM"
+        skipped = (coral_engine.skipped_instances(p, target) if engine == "coral"
+                   else skipped_instances(p, cast("Target", target), catalog))
         if skipped:
-            t = Table("instance", "reason", title=f"{len(skipped)} instance(s) stock vLLM cannot launch on {target}")
+            t = Table("instance", "reason", title=f"{len(skipped)} instance(s) {who} cannot launch on {target}")
             for iid, why in skipped.items():
                 t.add_row(iid, why)
             console.print(t)
         uncovered = uncovered_keys(p, skipped)
+
+        def advice() -> str:
+            return CORAL_ADVICE if engine == "coral" else replan_advice(p, target)
+
         if uncovered:
             names = ", ".join(f"{m}/{ph}" for m, ph in uncovered)
             raise CoralInputError(f"--plan: {names} would get no launchable instance on {target}, so nothing was "
-                                  f"written. {replan_advice(p, target)}")
+                                  f"written. {advice()}")
         if skipped:
             lost: dict[str, float] = defaultdict(float)
             for inst in p.instances:
@@ -109,8 +144,9 @@ def register(app: typer.Typer) -> None:
             detail = ", ".join(f"{k} loses {v:,.0f} tok/s" for k, v in lost.items())
             if strict:
                 raise CoralInputError(f"--strict: {len(skipped)} instance(s) cannot be rendered ({detail}). "
-                                      f"{replan_advice(p, target)}")
-            console.print(f"[yellow]warning[/]: planned capacity is reduced: {detail}. {replan_advice(p, target)}")
-        res = render(p, target, out, catalog, image=image or VLLM_IMAGE)
+                                      f"{advice()}")
+            console.print(f"[yellow]warning[/]: planned capacity is reduced: {detail}. {advice()}")
+        res = render(p, target, out, catalog, image=image, engine=engine, checkpoint=checkpoint)
         console.print(f"[green]wrote[/] {len(res.files)} file(s) to {out} (index.json lists them)")
-        console.print(f"next: {NEXT_STEP[target].format(out=out)}")
+        steps = CORAL_NEXT_STEP if engine == "coral" else NEXT_STEP
+        console.print(f"next: {steps[target].format(out=out)}")

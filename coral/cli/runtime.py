@@ -219,6 +219,13 @@ def register(app: typer.Typer) -> None:
         checkpoint: Path | None = typer.Option(
             None, help="coral backend: Llama checkpoint directory (default: the tiny test model, made once)"
         ),
+        ray: bool = typer.Option(
+            False, "--ray", help="coral backend: run the instances on a Ray cluster, each plan node on a Ray node "
+            "advertising the resource coral-node/<config> (RAY_ADDRESS, or a local multi-node cluster started here)"
+        ),
+        engine_host: str = typer.Option(
+            "", help="coral backend with --ray: address the engines bind to (default: each Ray node's IP)"
+        ),
         api_keys_file: Path | None = typer.Option(None, help=KEYS_HELP),
         admin_token_file: Path | None = typer.Option(
             None, help=f"file holding the token `POST /replan` needs (also the env var {ADMIN_TOKEN_ENV})"
@@ -259,6 +266,11 @@ def register(app: typer.Typer) -> None:
             engines = VllmProcessBackend(
                 ids, [vllm_bin], log_dir=DEFAULT_OUT / "vllm-logs", api_key=store.engine_token()
             )
+        elif backend == "coral" and ray:
+            from coral.runtime.ray_backend import RayCoralBackend
+
+            engines = on_ray = RayCoralBackend(checkpoint, log_dir=DEFAULT_OUT / "engine-logs",
+                                               api_key=store.engine_token(), host=engine_host)
         elif backend == "coral":
             from coral.runtime.coral_backend import CoralEngineBackend
 
@@ -267,6 +279,8 @@ def register(app: typer.Typer) -> None:
             raise CoralInputError(
                 f"--backend {backend!r}: must be 'emulated', 'vllm' or 'coral'; for clusters render manifests with `coral deploy`"
             )
+        if ray and backend != "coral":
+            raise CoralInputError(f"--ray: runs the Coral engine (--backend coral), not --backend {backend}")
         slos = load_scenario(scenario)
         meter = TrafficMeter(slos)  # reads the gateway once build_runtime has made it
         if plan is not None:
@@ -303,6 +317,8 @@ def register(app: typer.Typer) -> None:
             ready_timeout_s=ready_timeout or (60.0 if backend == "emulated" else 600.0),
         )
         meter.gateway = gw_app.state.gateway
+        if backend == "coral" and ray:
+            on_ray.on_change = lambda: controller.trigger(plan=False)  # an instance lost a Ray node: re-place it now
         controller.start()
         if watcher is not None:
             watcher.on_change = controller.trigger

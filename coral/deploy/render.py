@@ -11,6 +11,9 @@ its rank by `$SKYPILOT_NODE_RANK`); other pipelines are listed as skipped for th
 `coral.templates.engines.DEPLOY_TARGETS`, which also restricts planning with `--target`). The `commands` target
 writes one script per node.
 
+With `engine="coral"` the Coral engine is deployed instead (`coral.deploy.coral_engine`: KubeRay, Kubernetes,
+SkyPilot and scripts), through the same checks, staging and index.
+
 Rendering never drops a (model, phase) silently: `RenderResult.uncovered` lists those left with no launchable
 instance, and the CLI fails on them.
 """
@@ -24,9 +27,10 @@ import re
 import shutil
 import tempfile
 from collections import Counter, defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import yaml
 from pydantic import ValidationError
@@ -170,24 +174,30 @@ def replica_groups(
 
 
 # --- SkyPilot ---------------------------------------------------------------------------------------------
+def skypilot_resources(catalog: Catalog, config: str, region: str, image: str, ports: int | list[int]) -> dict[str, Any]:
+    """A SkyPilot `resources` spec: the cheapest offering of node config `config` in `region`, in `image`."""
+    o = offering(catalog, config, region)
+    gpu, n = parse_config_name(config)
+    return {
+        "cloud": o.cloud,
+        "region": cloud_region(o),
+        "accelerators": f"{gpu}:{n}",
+        "instance_type": o.instance_type,
+        "image_id": f"docker:{image}",
+        "ports": ports,
+    }
+
+
 def _skypilot_task(
     inst: PlanInstance, launch: NodeLaunch, name: str, replicas: int, catalog: Catalog, image: str, run: str
 ) -> dict[str, Any]:
     """SkyPilot task + service YAML (as a dict) for `replicas` replicas on `launch`'s node config running `run`
     in the vLLM image. The replica serves on `VLLM_PORT` (`service.ports`, needed as soon as the NIXL port is
     opened too); the Hugging Face token is a secret (`sky serve up --secret HF_TOKEN`), never written here."""
-    o = offering(catalog, launch.config, inst.region)
-    gpu, n = parse_config_name(launch.config)
     return {
         "name": name,
-        "resources": {
-            "cloud": o.cloud,
-            "region": cloud_region(o),
-            "accelerators": f"{gpu}:{n}",
-            "instance_type": o.instance_type,
-            "image_id": f"docker:{image}",
-            "ports": [VLLM_PORT, NIXL_SIDE_CHANNEL_PORT] if launch.env else VLLM_PORT,
-        },
+        "resources": skypilot_resources(catalog, launch.config, inst.region, image,
+                                        [VLLM_PORT, NIXL_SIDE_CHANNEL_PORT] if launch.env else VLLM_PORT),
         "secrets": {"HF_TOKEN": None},
         "envs": dict(launch.env),
         "run": run,
@@ -199,14 +209,14 @@ def _skypilot_task(
     }
 
 
-_SKY_NODE_ADDR = f"export {NODE_ADDR_VAR}=$(hostname -I | awk '{{print $1}}')\n"
+SKY_NODE_ADDR = f"export {NODE_ADDR_VAR}=$(hostname -I | awk '{{print $1}}')\n"
 
 
 def skypilot_service(
     inst: PlanInstance, launch: NodeLaunch, name: str, replicas: int, catalog: Catalog, image: str = VLLM_IMAGE
 ) -> dict[str, Any]:
     """The service of `replicas` single-node replicas running `launch`."""
-    run = (_SKY_NODE_ADDR if launch.env else "") + launch.shell()
+    run = (SKY_NODE_ADDR if launch.env else "") + launch.shell()
     return _skypilot_task(inst, launch, name, replicas, catalog, image, run)
 
 
@@ -218,7 +228,7 @@ def skypilot_pipeline(
     rank r (`$SKYPILOT_NODE_RANK`; rank 0, SkyPilot's head node, serves), the head's address from
     `$SKYPILOT_NODE_IPS` is the rendezvous."""
     cases = "".join(f"  {nl.rank}) {nl.shell(exec_=True)} ;;\n" for nl in launches)
-    run = (_SKY_NODE_ADDR + f'export {HEAD_ADDR_VAR}=$(echo "$SKYPILOT_NODE_IPS" | head -n1)\n'
+    run = (SKY_NODE_ADDR + f'export {HEAD_ADDR_VAR}=$(echo "$SKYPILOT_NODE_IPS" | head -n1)\n'
            + f'case "$SKYPILOT_NODE_RANK" in\n{cases}esac\n')
     task = _skypilot_task(inst, launches[0], name, replicas, catalog, image, run)
     return {"name": name, "num_nodes": len(launches), **{k: v for k, v in task.items() if k != "name"}}
@@ -265,15 +275,20 @@ def _container(launch: NodeLaunch, image: str, head_addr: str | None = None) -> 
     return c
 
 
-def _pod_spec(container: dict[str, Any], o: NodeOffering) -> dict[str, Any]:
+def node_selector(o: NodeOffering) -> dict[str, str]:
+    """The node selector that pins a pod to offering `o`'s instance type (the well-known Kubernetes label)."""
+    return {"node.kubernetes.io/instance-type": o.instance_type}
+
+
+def pod_spec(container: dict[str, Any], o: NodeOffering) -> dict[str, Any]:
     return {
-        "nodeSelector": {"node.kubernetes.io/instance-type": o.instance_type},
+        "nodeSelector": node_selector(o),
         "containers": [container],
         "volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory"}}],
     }
 
 
-def _labels(inst: PlanInstance, name: str) -> dict[str, str]:
+def k8s_labels(inst: PlanInstance, name: str) -> dict[str, str]:
     return {
         "app.kubernetes.io/name": name,
         "coral.io/model": dns_name(inst.model),
@@ -307,7 +322,7 @@ def _deployment(
                                          if k in labels}},
             "template": {
                 "metadata": {"labels": labels},
-                "spec": _pod_spec(_container(launch, image, head_addr), o),
+                "spec": pod_spec(_container(launch, image, head_addr), o),
             },
         },
     }
@@ -322,7 +337,7 @@ def k8s_deployment(
     image: str = VLLM_IMAGE,
 ) -> list[dict[str, Any]]:
     """Deployment + Service for `replicas` single-node replicas running `launch`."""
-    labels = _labels(inst, name)
+    labels = k8s_labels(inst, name)
     o = offering(catalog, launch.config, inst.region)
     dep = _deployment(name, labels, replicas, launch, o, image)
     return [dep, _service(name, {"app.kubernetes.io/name": name})]
@@ -338,18 +353,19 @@ def k8s_pipeline(
     name = dns_name(group_name(inst), str(index), limit=40)
     docs: list[dict[str, Any]] = []
     for launch in launch_commands(inst, catalog.model(inst.model), push=push):
-        labels = {**_labels(inst, name), "coral.io/rank": str(launch.rank)}
+        labels = {**k8s_labels(inst, name), "coral.io/rank": str(launch.rank)}
         o = offering(catalog, launch.config, inst.region)
         docs.append(_deployment(f"{name}-r{launch.rank}", labels, 1, launch, o, image, head_addr=name))
     docs.append(_service(name, {"app.kubernetes.io/name": name, "coral.io/rank": "0"}, headless=True))
     return docs
 
 
-def _endpoint(service: str, inst: PlanInstance, weight: float) -> EndpointSpec:
-    """The endpoint of `service`: `weight` tokens/s of instances like `inst` (class weights in proportion)."""
+def endpoint_spec(service: str, inst: PlanInstance, weight: float, url: str | None = None) -> EndpointSpec:
+    """The endpoint of `service` (at `url`, default `http://<service>:VLLM_PORT`): `weight` tokens/s of instances
+    like `inst` (class weights in proportion)."""
     per_class = inst.class_throughput
     return EndpointSpec(
-        id=service, model=inst.model, phase=inst.phase, url=f"http://{service}:{VLLM_PORT}", weight=weight,
+        id=service, model=inst.model, phase=inst.phase, url=url or f"http://{service}:{VLLM_PORT}", weight=weight,
         class_weights=None if per_class is None else {c: v * weight / inst.throughput for c, v in per_class.items()},
     )
 
@@ -396,15 +412,25 @@ def node_script(inst: PlanInstance, launch: NodeLaunch) -> str:
     return "\n".join(lines) + "\n"
 
 
-# --- writing ----------------------------------------------------------------------------------------------
+# --- writing ---------------------------------------------------------------------------------------------
 def render(
-    plan: Plan, target: Target, out_dir: str | Path, catalog: Catalog | None = None, image: str = VLLM_IMAGE
+    plan: Plan, target: str, out_dir: str | Path, catalog: Catalog | None = None, image: str | None = None,
+    engine: str = "vllm", checkpoint: str | None = None,
 ) -> RenderResult:
     """Write the manifests of `plan` for `target` into `out_dir` (plus `index.json`); returns files and skips.
 
-    The whole plan is checked first (`check_plan`); files are rendered into a temporary folder beside `out_dir`
-    and moved into it only once every one rendered, so a failure leaves `out_dir` as it was."""
-    if target not in TARGETS:
+    `engine`: `vllm` (stock vLLM, `TARGETS`, image default `VLLM_IMAGE`) or `coral` (the Coral engine,
+    `coral.deploy.coral_engine.CORAL_TARGETS`, image default `CORAL_IMAGE`, `checkpoint` required: the checkpoint
+    directory as the nodes see it). The whole plan is checked first (`check_plan`); files are rendered into a
+    temporary folder beside `out_dir` and moved into it only once every one rendered, so a failure leaves `out_dir`
+    as it was."""
+    from coral.deploy import coral_engine
+
+    if engine not in ("vllm", "coral"):
+        raise CoralInputError(f"--engine: must be vllm or coral, not {engine!r}")
+    if engine == "coral":
+        coral_engine.check_target(target, checkpoint)
+    elif target not in TARGETS:
         raise CoralInputError(f"target: must be one of {', '.join(TARGETS)}, not {target!r}")
     cat = catalog or builtin_catalog()
     check_plan(plan, cat)
@@ -412,7 +438,12 @@ def render(
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
-        res = _render_into(plan, target, staging, cat, image)
+        if engine == "coral":
+            assert checkpoint is not None  # check_target
+            res = coral_engine.render_into(plan, target, staging, cat, image or coral_engine.CORAL_IMAGE, checkpoint)
+        else:
+            res = _render_into(plan, cast(Target, target), staging, cat, image or VLLM_IMAGE)
+        write_index(staging, res, plan, target, engine)
         out.mkdir(exist_ok=True)
         for f in sorted(staging.iterdir()):
             os.replace(f, out / f.name)
@@ -422,8 +453,8 @@ def render(
     return res
 
 
-def _render_into(plan: Plan, target: Target, out: Path, cat: Catalog, image: str) -> RenderResult:
-    res = RenderResult()
+def writer(out: Path, res: RenderResult) -> Callable[[str, list[dict[str, Any]] | str], None]:
+    """`write(name, docs)`: YAML documents (or text) to `out/name`, recorded in `res.files`."""
 
     def write(name: str, docs: list[dict[str, Any]] | str) -> None:
         path = out / name
@@ -432,6 +463,28 @@ def _render_into(plan: Plan, target: Target, out: Path, cat: Catalog, image: str
         )
         res.files.append(path)
 
+    return write
+
+
+def write_index(out: Path, res: RenderResult, plan: Plan, target: str, engine: str) -> None:
+    """`endpoints.json` (when there are endpoints) and `index.json` (files, skips, uncovered) into `out`."""
+    if res.endpoints:
+        EndpointsFile(endpoints=res.endpoints, request_classes=plan.request_classes).save(out / "endpoints.json")
+    index = {
+        "target": target,
+        "engine": engine,
+        "endpoints": "endpoints.json" if res.endpoints else None,
+        "scenario": plan.scenario,
+        "files": [p.name for p in res.files],
+        "skipped": res.skipped,
+        "uncovered": [f"{m}/{p}" for m, p in res.uncovered],
+    }
+    (out / "index.json").write_text(json.dumps(index, indent=2))
+
+
+def _render_into(plan: Plan, target: Target, out: Path, cat: Catalog, image: str) -> RenderResult:
+    res = RenderResult()
+    write = writer(out, res)
     push = push_models(plan.instances)
     res.skipped = skipped_instances(plan, target, cat)
     res.uncovered = uncovered_keys(plan, res.skipped)
@@ -446,7 +499,7 @@ def _render_into(plan: Plan, target: Target, out: Path, cat: Catalog, image: str
                     write(f"{name}.sky.yaml", [skypilot_service(first, launch, name, replicas, cat, image)])
                 else:
                     write(f"{name}.k8s.yaml", k8s_deployment(first, launch, name, replicas, cat, image))
-                    res.endpoints.append(_endpoint(name, first, weight))
+                    res.endpoints.append(endpoint_spec(name, first, weight))
         elif target == "skypilot":
             name = group_name(first)
             launches = launch_commands(first, cat.model(first.model), push=use_push)
@@ -455,21 +508,10 @@ def _render_into(plan: Plan, target: Target, out: Path, cat: Catalog, image: str
             for k, inst in enumerate(insts):
                 docs = k8s_pipeline(inst, k, cat, image, use_push)
                 write(f"{group_name(first)}-{k}.pipeline.k8s.yaml", docs)
-                res.endpoints.append(_endpoint(docs[-1]["metadata"]["name"], inst, inst.throughput))
+                res.endpoints.append(endpoint_spec(docs[-1]["metadata"]["name"], inst, inst.throughput))
         else:
             for inst in insts:
                 for nl in launch_commands(inst, cat.model(inst.model), push=use_push):
                     role = f"rank{nl.rank}" if len(inst.stages) > 1 else f"replica{nl.replica}"
                     write(f"{dns_name(inst.id, limit=60)}.{role}.sh", node_script(inst, nl))
-    if res.endpoints:
-        EndpointsFile(endpoints=res.endpoints, request_classes=plan.request_classes).save(out / "endpoints.json")
-    index = {
-        "target": target,
-        "endpoints": "endpoints.json" if res.endpoints else None,
-        "scenario": plan.scenario,
-        "files": [p.name for p in res.files],
-        "skipped": res.skipped,
-        "uncovered": [f"{m}/{p}" for m, p in res.uncovered],
-    }
-    (out / "index.json").write_text(json.dumps(index, indent=2))
     return res

@@ -13,20 +13,19 @@ from __future__ import annotations
 import os
 import shlex
 import subprocess
-import sys
 import tempfile
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import zmq
 
 from coral.allocation.plan import PlanInstance
 from coral.engine.layout import Layout, NodeSlot
-from coral.engine.node import Node, NodeConfig
+from coral.engine.node import Node, NodeConfig, on_machine, spawn_node
 from coral.engine.scheduler import Scheduler
 from coral.engine.shard import checkpoint_layers
 from coral.engine.transport import LocalHub, LocalTransport, advertised
@@ -38,6 +37,8 @@ class EngineConfig:
     dist_backend: str = "gloo"  # 'nccl' with CUDA devices
     dist_init: str = ""  # torch.distributed init_method; empty: a file in a temporary directory (one machine)
     host: str = "127.0.0.1"  # address the scheduler, the nodes and the HTTP server bind to
+    results_port: int = 0  # port of the scheduler's results socket (0: one the OS picks; nodes started elsewhere
+    # from the plan, `python -m coral.engine.node --plan`, need a fixed one)
     advertise: str = ""  # address other machines reach this one by, when `host` is 0.0.0.0
     launch: bool = True  # start the node processes here; False: they are started elsewhere (`node_commands`)
     threads_per_node: int = 1
@@ -72,7 +73,6 @@ class CoralInstance:
         self.server: Any = None
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
         self._name = ""
-        self._logs: list[IO[bytes]] = []
         self.tp = [self.node_tp(n.tp) for n in layout.nodes]
         leaders = [sum(self.tp[:r]) for r in range(len(self.tp))]
         # (node, TP rank) of each process, by process rank; the leader (TP rank 0) of node r has rank leaders[r]
@@ -111,11 +111,18 @@ class CoralInstance:
                 raise ValueError("dist_init: nodes started elsewhere need a 'tcp://HOST:PORT' rendezvous")
             self._name = f"{self.layout.instance_id}-{uuid.uuid4().hex[:8]}"
             results = f"inproc://{self._name}/results" if cfg.local else f"tcp://{cfg.host}"
+            if cfg.results_port and not cfg.local:
+                results += f":{cfg.results_port}"
             self.scheduler = Scheduler(self.layout, self.ctx, results, cfg.max_batch, cfg.max_batch_tokens,
                                        cfg.max_inflight).start()
             if not cfg.local and not cfg.dist_init:
                 self._tmp = tempfile.TemporaryDirectory(prefix="coral-engine-")
-        return [self._node_config(n, p) for p, (n, _) in enumerate(self.processes)]
+        return self.node_configs(advertised(self.scheduler.results_addr, cfg.advertise))
+
+    def node_configs(self, results: str) -> list[NodeConfig]:
+        """The configuration of each node process, by process rank, for a scheduler whose results socket is
+        `results` (also called, without a scheduler here, by nodes started from the plan on their machines)."""
+        return [self._node_config(n, p, results) for p, (n, _) in enumerate(self.processes)]
 
     def node_commands(self) -> list[list[str]]:
         """argv of each process, by process rank (run them on the nodes' machines when `launch` is False)."""
@@ -135,15 +142,14 @@ class CoralInstance:
             raise
         return self
 
-    def _node_config(self, node: NodeSlot, process: int) -> NodeConfig:
+    def _node_config(self, node: NodeSlot, process: int, results: str) -> NodeConfig:
         cfg = self.config
-        assert self.scheduler is not None
         device = f"cuda:{process}" if cfg.device == "cuda" else cfg.device
         dist_init = cfg.dist_init or (f"file://{self._tmp.name}/dist-store" if self._tmp is not None else "")
         return NodeConfig(
             instance_id=self._name, rank=node.rank, world_size=len(self.processes), first=node.first,
             last=node.last, process_rank=process, leaders=self.leaders, tp_groups=self.tp_groups,
-            checkpoint=self.checkpoint, results=advertised(self.scheduler.results_addr, cfg.advertise),
+            checkpoint=self.checkpoint, results=results,
             bind="inproc" if cfg.local else f"tcp://{cfg.host}", advertise=cfg.advertise if cfg.launch else "",
             device=device,
             dist_backend=cfg.dist_backend, dist_init=dist_init, threads=cfg.threads_per_node,
@@ -161,18 +167,11 @@ class CoralInstance:
                 t.start()
                 self.threads.append(t)
             return
-        env = {**os.environ, "OMP_NUM_THREADS": str(self.config.threads_per_node), "TOKENIZERS_PARALLELISM": "false"}
-        for ncfg, argv in zip(nodes, self.node_commands(), strict=True):
-            out: IO[bytes] | int = subprocess.DEVNULL
+        for ncfg in nodes:
+            log = None
             if self.log_dir is not None:
-                self.log_dir.mkdir(parents=True, exist_ok=True)
-                out = (self.log_dir / f"{self.layout.instance_id}.process{ncfg.process_rank}.log").open("ab")
-                self._logs.append(out)
-            self.procs.append(subprocess.Popen(
-                [sys.executable, *argv[1:]],
-                env=env, stdout=out, stderr=subprocess.STDOUT if self.log_dir is not None else subprocess.DEVNULL,
-                start_new_session=True,
-            ))
+                log = self.log_dir / f"{self.layout.instance_id}.process{ncfg.process_rank}.log"
+            self.procs.append(spawn_node(ncfg, log))
 
     def _wait_ready(self) -> None:
         assert self.scheduler is not None
@@ -226,8 +225,6 @@ class CoralInstance:
                     p.wait()
         for t in self.threads:
             t.join(timeout_s)
-        for f in self._logs:
-            f.close()
         if self._tmp is not None:
             self._tmp.cleanup()
         if not self.config.local:
@@ -256,13 +253,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dist-backend", default="gloo", help="gloo | nccl")
     ap.add_argument("--dist-init", default="", help="tcp://HOST:PORT rendezvous (required with --no-launch)")
     ap.add_argument("--no-launch", action="store_true", help="nodes are started on other machines")
+    ap.add_argument("--results-port", type=int, default=0,
+                    help="fixed port of the scheduler's results socket (nodes started with --plan connect to it)")
     args = ap.parse_args(argv)
     plan = Plan.load(args.plan)
     matches = [i for i in plan.instances if i.id == args.instance_id]
     if not matches:
         raise SystemExit(f"{args.plan}: no instance {args.instance_id!r}")
     config = EngineConfig(device=args.device, dist_backend=args.dist_backend, dist_init=args.dist_init,
-                          host=args.host, advertise=args.advertise, port=args.port, launch=not args.no_launch)
+                          host=args.host, advertise=args.advertise, port=args.port, launch=not args.no_launch,
+                          results_port=args.results_port)
     inst = CoralInstance.from_plan(matches[0], args.checkpoint, config)
     if args.no_launch:
         for (node, tp_rank), argv_ in zip(inst.processes, inst.node_commands(), strict=True):
@@ -277,6 +277,52 @@ def main(argv: list[str] | None = None) -> None:
         pass
     finally:
         inst.stop()
+
+
+def serve_plan_node(argv: list[str]) -> None:
+    """Start the processes of one node of a plan instance on this machine and wait for them:
+    `python -m coral.engine.node --plan PLAN.json --instance ID --checkpoint DIR --node-rank R --scheduler
+    tcp://HOST:PORT --dist-init tcp://HOST:PORT [--advertise ADDR]` (the scheduler runs `python -m
+    coral.engine.instance ... --no-launch --results-port PORT`; the rendezvous is on node 0's machine)."""
+    import argparse
+
+    from coral.allocation.plan import Plan
+
+    ap = argparse.ArgumentParser(prog="python -m coral.engine.node", description=serve_plan_node.__doc__)
+    ap.add_argument("--plan", type=Path, required=True)
+    ap.add_argument("--instance", required=True)
+    ap.add_argument("--checkpoint", type=Path, required=True)
+    ap.add_argument("--node-rank", type=int, required=True)
+    ap.add_argument("--scheduler", required=True, help="the scheduler's results socket, tcp://HOST:PORT")
+    ap.add_argument("--dist-init", required=True, help="torch.distributed rendezvous, tcp://HOST:PORT on node 0")
+    ap.add_argument("--host", default="0.0.0.0", help="address this node's sockets bind to")
+    ap.add_argument("--advertise", default="", help="address the scheduler and other nodes reach this one by")
+    ap.add_argument("--device", default="cpu", help="cpu | cuda (TP rank t on cuda:t)")
+    ap.add_argument("--dist-backend", default="gloo", help="gloo | nccl")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    ap.add_argument("--log-dir", type=Path, default=None)
+    args = ap.parse_args(argv)
+    matches = [i for i in Plan.load(args.plan).instances if i.id == args.instance]
+    if not matches:
+        raise SystemExit(f"{args.plan}: no instance {args.instance!r}")
+    config = EngineConfig(device=args.device, dist_backend=args.dist_backend, dist_init=args.dist_init,
+                          launch=False, threads_per_node=args.threads)
+    inst = CoralInstance.from_plan(matches[0], args.checkpoint, config)
+    mine = [c for c in inst.node_configs(args.scheduler) if c.rank == args.node_rank]
+    if not mine:
+        raise SystemExit(f"--node-rank {args.node_rank}: {args.instance} has nodes 0..{len(inst.layout.nodes) - 1}")
+    procs = []
+    for c in mine:
+        log = args.log_dir / f"{args.instance}.process{c.process_rank}.log" if args.log_dir else None
+        procs.append(spawn_node(replace(on_machine(c, args.host, args.advertise), parent_pid=os.getpid()), log))
+    try:
+        while all(p.poll() is None for p in procs):
+            time.sleep(0.5)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+    raise SystemExit(max(p.wait() for p in procs))
 
 
 if __name__ == "__main__":

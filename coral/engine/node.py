@@ -30,11 +30,14 @@ from __future__ import annotations
 import json
 import os
 import socket
+import subprocess
 import sys
+import threading
 import time
 import traceback
-from dataclasses import asdict, dataclass, field
-from typing import Any
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import IO, Any
 
 import torch
 import torch.distributed as dist
@@ -65,7 +68,7 @@ class NodeConfig:
     kv_block_size: int = 16  # tokens per KV block
     kv_blocks: int = 0  # blocks in the pool (0: as many as fit in the budget)
     kv_cache_fraction: float = 0.0  # > 0: the budget is this fraction of the device's free memory, not the GiB
-    parent_pid: int = 0  # a node process exits when this process (its instance's owner) is gone; 0: no check
+    parent_pid: int = 0  # a node process exits when this process (its owner) is gone, even mid-receive; 0: no check
     process_rank: int = -1  # torch.distributed rank of this process (-1: the node rank)
     leaders: list[int] = field(default_factory=list)  # process rank of each node's leader (empty: node ranks)
     tp_groups: list[list[int]] = field(default_factory=list)  # the instance's tensor-parallel groups (size > 1)
@@ -155,8 +158,6 @@ class Node:
         try:
             while True:
                 events = dict(poller.poll(1000))
-                if self.cfg.parent_pid and os.getppid() != self.cfg.parent_pid:
-                    break  # orphaned: the scheduler is gone
                 self._expire_kept()
                 if self.kv_server in events:
                     self._serve_take()
@@ -310,9 +311,55 @@ class Node:
         return out
 
 
+def spawn_node(cfg: NodeConfig, log: Path | None = None) -> subprocess.Popen[bytes]:
+    """Start the process of `cfg` (`python -m coral.engine.node JSON`) with `cfg.threads` torch threads, its
+    output appended to `log` (or dropped)."""
+    env = {**os.environ, "OMP_NUM_THREADS": str(cfg.threads), "TOKENIZERS_PARALLELISM": "false"}
+    out: IO[bytes] | None = None
+    if log is not None:
+        log.parent.mkdir(parents=True, exist_ok=True)
+        out = log.open("ab")
+    try:
+        return subprocess.Popen(
+            [sys.executable, "-m", "coral.engine.node", cfg.to_json()], env=env,
+            stdout=out or subprocess.DEVNULL, stderr=subprocess.STDOUT if out else subprocess.DEVNULL,
+            start_new_session=True,
+        )
+    finally:
+        if out is not None:
+            out.close()
+
+
+def on_machine(cfg: NodeConfig, host: str, advertise: str = "") -> NodeConfig:
+    """`cfg` for a node started on its own machine: its sockets bound to `host` (reached by `advertise`, when
+    bound to 0.0.0.0) and, on GPUs, its TP rank's device among the machine's GPUs."""
+    device = cfg.device
+    if device.startswith("cuda"):
+        leader = cfg.leaders[cfg.rank] if cfg.leaders else cfg.rank
+        tp_rank = cfg.process_rank - leader if cfg.process_rank >= 0 else 0
+        device = f"cuda:{tp_rank}"
+    return replace(cfg, bind=f"tcp://{host}", advertise=advertise, device=device)
+
+
+def _exit_when_orphaned(parent_pid: int) -> None:
+    """Exit as soon as the owner `parent_pid` is gone, even while the node waits on a receive from a dead peer."""
+    while os.getppid() == parent_pid:
+        time.sleep(0.5)
+    os._exit(1)
+
+
 def main(argv: list[str] | None = None) -> None:
-    """Entry point of a node process: `python -m coral.engine.node '<NodeConfig JSON>'`."""
-    cfg = NodeConfig(**json.loads((argv or sys.argv[1:])[0]))
+    """Entry point of a node process: `python -m coral.engine.node '<NodeConfig JSON>'`; with `--plan`, start
+    the processes of one node of a plan instance on this machine (`coral.engine.instance.serve_plan_node`)."""
+    args = argv if argv is not None else sys.argv[1:]
+    if args and not args[0].lstrip().startswith("{"):
+        from coral.engine.instance import serve_plan_node
+
+        serve_plan_node(args)
+        return
+    cfg = NodeConfig(**json.loads(args[0]))
+    if cfg.parent_pid:
+        threading.Thread(target=_exit_when_orphaned, args=(cfg.parent_pid,), daemon=True).start()
     torch.set_num_threads(cfg.threads)
     process = cfg.process_rank if cfg.process_rank >= 0 else cfg.rank
     transport = DistTransport(cfg.dist_backend, cfg.dist_init, process, cfg.world_size, cfg.device)

@@ -88,14 +88,14 @@ class Scheduler:
         max_batch_tokens: int = 4096,
         max_inflight: int | None = None,
     ) -> None:
-        """`results_bind`: 'tcp://HOST' (port chosen by the OS) or an 'inproc://NAME' address."""
+        """`results_bind`: 'tcp://HOST' (port chosen by the OS), 'tcp://HOST:PORT' or an 'inproc://NAME' address."""
         self.layout = layout
         self.ctx = ctx
         self.max_batch, self.max_batch_tokens = max_batch, max_batch_tokens
         widest = max(len(s) for s in layout.stages)
         self.max_inflight = max_inflight or len(layout.stages) * widest
         self.results = ctx.socket(zmq.PULL)
-        if results_bind.startswith("inproc://"):
+        if results_bind.startswith("inproc://") or _has_port(results_bind):
             self.results.bind(results_bind)
         else:
             self.results.bind_to_random_port(results_bind)
@@ -424,3 +424,9 @@ class Scheduler:
         self.active.clear()
         for sock in [*self.cmd.values(), self.results, self.wake_in, self.wake_out]:
             sock.close(linger=500)
+
+
+def _has_port(endpoint: str) -> bool:
+    """Whether a 'tcp://HOST[:PORT]' endpoint names its port (HOST may be a bracketed IPv6 address)."""
+    rest = endpoint.removeprefix("tcp://")
+    return "]:" in rest if rest.startswith("[") else ":" in rest

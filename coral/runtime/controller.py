@@ -9,6 +9,10 @@ stopped once their in-flight count reaches 0 (or after `drain_timeout_s`) and re
 observed instances with their state and handle, and an action log live in one SQLite file, so a restarted
 controller re-registers the instances that survived, and finishes pending starts and drains (their action
 rows are completed, not duplicated).
+
+An instance of the plan found dead (its backend says so: a crashed process, a lost Ray node) is marked
+`failed` (a `lost` action), taken out of the gateway's routing and started again; while a start fails (no
+capacity yet) it stays `failed` and the controller tries again every `retry_s`, without re-planning in between.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ CREATE TABLE IF NOT EXISTS actions(
   status TEXT NOT NULL, detail TEXT NOT NULL DEFAULT '');
 """
 ACTIVE = ("starting", "ready", "draining")
+STATES = (*ACTIVE, "failed", "stopped")
 
 
 class Store:
@@ -192,6 +197,7 @@ class Controller:
         interval_s: float = 60.0,
         drain_timeout_s: float = 60.0,
         ready_timeout_s: float = 60.0,
+        retry_s: float = 5.0,
     ) -> None:
         self.store = store
         self.backend = backend
@@ -200,6 +206,7 @@ class Controller:
         self.interval_s = interval_s
         self.drain_timeout_s = drain_timeout_s
         self.ready_timeout_s = ready_timeout_s
+        self.retry_s = retry_s
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -248,13 +255,13 @@ class Controller:
         try:
             handle = self.backend.start(inst)
         except Exception as exc:
-            self.store.observe(inst, "stopped", {})
+            self.store.observe(inst, "failed", {})
             self.store.finish(seq, "failed", f"{type(exc).__name__}: {exc}")
             return
         self.store.observe(inst, "starting", handle)
         if not self._wait_ready(handle["url"]):
             self.backend.stop(inst.id, handle)
-            self.store.observe(inst, "stopped", handle)
+            self.store.observe(inst, "failed", handle)
             self.store.finish(seq, "failed", f"not healthy within {self.ready_timeout_s:.0f} s")
             return
         self._register(inst, handle, InstanceState.READY)
@@ -284,17 +291,36 @@ class Controller:
             started, stopped = [], []
             for iid, inst in desired.items():
                 obs = observed.get(iid)
-                if obs is None or obs[1] == "starting" or not self.backend.alive(iid, obs[2]):
-                    self.start_instance(inst)  # new, interrupted start, or died while planned: (re)start
+                if obs is not None and obs[1] != "starting" and not self.backend.alive(iid, obs[2]):
+                    self._lost(obs[0], obs[2])
+                    obs = None
+                if obs is None or obs[1] == "starting":
+                    self.start_instance(inst)  # new, interrupted or failed start, or died while planned: (re)start
                     started.append(iid)
                 elif obs[1] == "draining" or obs[0] != inst:  # back before its drain finished, or re-weighted
                     self._register(inst, obs[2], InstanceState.READY)
                     self.store.observe(inst, "ready", obs[2])
             for iid, (inst, _state, handle) in observed.items():
                 if iid not in desired:
-                    self.drain_instance(inst, handle)
+                    if self.backend.alive(iid, handle):
+                        self.drain_instance(inst, handle)
+                    else:  # nothing left to drain
+                        self._lost(inst, handle)
+                        self.store.observe(inst, "stopped", handle)
                     stopped.append(iid)
             return {"started": started, "stopped": stopped}
+
+    def _lost(self, inst: PlanInstance, handle: Handle) -> None:
+        """An instance died: out of the gateway, marked failed, with the backend's reason if it gives one."""
+        self.registry.remove(inst.id)
+        self.store.observe(inst, "failed", handle)
+        reason = getattr(self.backend, "failure", lambda _iid: "")(inst.id)
+        self.store.finish(self.store.begin("lost", inst.id), "done", reason or "not running")
+
+    def failed(self) -> list[str]:
+        """Planned instances that are down (their last start failed or they died)."""
+        desired = self.store.desired()
+        return [iid for iid in self.store.observed(("failed",)) if iid in desired]
 
     def set_plan(self, plan: Plan) -> None:
         self.store.set_plan(plan)
@@ -307,18 +333,20 @@ class Controller:
 
     # --- loop ---------------------------------------------------------------------------------------
     def _loop(self) -> None:
-        plan_next = True
+        plan_next, planned_at = True, 0.0
         while not self._stop.is_set():
             try:
                 if plan_next and self.planner is not None and not self.store.pinned():
+                    planned_at = time.monotonic()
                     self.set_plan(self.planner())
                 self.reconcile()
                 self.last_error = ""
             except Exception as exc:  # keep reconciling: the error is shown in /state
                 self.last_error = f"{type(exc).__name__}: {exc}"
-            woke = self._wake.wait(self.interval_s)
+            woke = self._wake.wait(self.retry_s if self.failed() else self.interval_s)
             self._wake.clear()
-            plan_next, self._plan_on_wake = (not woke or self._plan_on_wake), True
+            due = time.monotonic() - planned_at >= self.interval_s
+            plan_next, self._plan_on_wake = (woke and self._plan_on_wake) or due, True
 
     def start(self) -> Controller:
         self._thread = threading.Thread(target=self._loop, name="coral-controller", daemon=True)
@@ -341,7 +369,7 @@ class Controller:
 
         {"plan": Plan JSON | None,
          "instances": [{id, model, phase, region, template_id, counts, throughput, class_throughput,
-                        cost_per_hour, desired, state (pending|starting|ready|draining), url,
+                        cost_per_hour, desired, state (pending|starting|ready|draining|failed), url,
                         healthy, weight, inflight, served, failed, target_share, observed_share}],
          "traffic": {model: {phase: {instance id: observed share}}},
          "latency": {model: {requests, errors, count, p50_ms, p99_ms (end to end), and where measured
@@ -352,7 +380,7 @@ class Controller:
         """
         plan = self.store.plan()
         desired = self.store.desired()
-        observed = self.store.observed(("starting", "ready", "draining", "stopped"))
+        observed = self.store.observed(STATES)
         gw = gateway_state or {"instances": [], "latency": {}, "queue": {}}
         live = {e["id"]: e for e in gw["instances"]}
         instances: list[dict[str, Any]] = []

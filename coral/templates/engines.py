@@ -23,6 +23,13 @@ from coral.catalog.schema import parse_config_name
 from coral.templates.library import TemplateLibrary, dominated_rows
 
 ENGINES = ("coral", "vllm")
+RAY_NODE_RESOURCE_PREFIX = "coral-node/"
+
+
+def node_resource(config: str) -> str:
+    """The Ray custom resource a Ray node advertises to host one plan node of `config` ('coral-node/2xL40S'), which
+    the Coral engine's Ray backend requests and the KubeRay worker groups offer."""
+    return RAY_NODE_RESOURCE_PREFIX + config
 
 
 @dataclass(frozen=True)
