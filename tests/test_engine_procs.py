@@ -101,3 +101,39 @@ def test_coral_serve_backend_coral_pd_through_gateway(tmp_path):
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def test_nodes_started_from_the_plan_on_their_machines(tmp_path):
+    """The cluster path without Ray: the scheduler with `--no-launch --results-port`, and each node started by
+    `python -m coral.engine.node --plan ... --node-rank R` (what `coral deploy --engine coral` renders), on loopback."""
+    ckpt = make_tiny_llama(tmp_path / "tiny", TinyLlamaSpec(num_hidden_layers=4, initializer_range=0.25))
+    plan = make_plan([make_instance("tiny", "decode", [(40, ["2xA10G"]), (24, ["1xL4"])], 900.0)])
+    plan_path = plan.save(tmp_path / "plan.json")
+    iid = plan.instances[0].id
+    port, results, rdzv = free_port(), free_port(), free_port()
+    common = ["--dist-init", f"tcp://127.0.0.1:{rdzv}"]
+    procs = [subprocess.Popen([sys.executable, "-m", "coral.engine.instance", str(plan_path), iid, str(ckpt),
+                               "--no-launch", "--port", str(port), "--results-port", str(results), *common],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)]
+    procs += [subprocess.Popen([sys.executable, "-m", "coral.engine.node", "--plan", str(plan_path), "--instance", iid,
+                                "--checkpoint", str(ckpt), "--node-rank", str(r), "--host", "127.0.0.1",
+                                "--scheduler", f"tcp://127.0.0.1:{results}", *common]) for r in (0, 1)]
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and all(p.poll() is None for p in procs):
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused")
+        r = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=5,
+                                      extra_body={"ignore_eos": True, "return_token_ids": True})
+        assert r.choices[0].model_extra["token_ids"] == WholeModel(ckpt).greedy(PROMPTS[0], 5)[0]
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            p.wait(30)
