@@ -167,11 +167,7 @@ class CoralInstance:
                 t.start()
                 self.threads.append(t)
             return
-        for ncfg in nodes:
-            log = None
-            if self.log_dir is not None:
-                log = self.log_dir / f"{self.layout.instance_id}.process{ncfg.process_rank}.log"
-            self.procs.append(spawn_node(ncfg, log))
+        self.procs += [spawn_node(ncfg, self.log_dir, self.layout.instance_id) for ncfg in nodes]
 
     def _wait_ready(self) -> None:
         assert self.scheduler is not None
@@ -240,7 +236,6 @@ def main(argv: list[str] | None = None) -> None:
     With `--no-launch` it prints the command of each node (to run on the nodes' machines) and waits for them."""
     import argparse
 
-    from coral.allocation.plan import Plan
 
     ap = argparse.ArgumentParser(prog="python -m coral.engine.instance", description=main.__doc__)
     ap.add_argument("plan", type=Path)
@@ -256,27 +251,34 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--results-port", type=int, default=0,
                     help="fixed port of the scheduler's results socket (nodes started with --plan connect to it)")
     args = ap.parse_args(argv)
-    plan = Plan.load(args.plan)
-    matches = [i for i in plan.instances if i.id == args.instance_id]
-    if not matches:
-        raise SystemExit(f"{args.plan}: no instance {args.instance_id!r}")
+    planned = _plan_instance(args.plan, args.instance_id)
     config = EngineConfig(device=args.device, dist_backend=args.dist_backend, dist_init=args.dist_init,
                           host=args.host, advertise=args.advertise, port=args.port, launch=not args.no_launch,
                           results_port=args.results_port)
-    inst = CoralInstance.from_plan(matches[0], args.checkpoint, config)
+    inst = CoralInstance.from_plan(planned, args.checkpoint, config)
     if args.no_launch:
         for (node, tp_rank), argv_ in zip(inst.processes, inst.node_commands(), strict=True):
             print(f"# node {node.rank} ({node.config}, TP rank {tp_rank}): stage {node.stage}, "
                   f"layers [{node.first}, {node.last})")
             print(shlex.join(argv_))
     inst.start()
-    print(f"serving {matches[0].id} on {inst.url}/v1", flush=True)
+    print(f"serving {planned.id} on {inst.url}/v1", flush=True)
     try:
         threading.Event().wait()
     except KeyboardInterrupt:
         pass
     finally:
         inst.stop()
+
+
+def _plan_instance(path: Path, instance_id: str) -> PlanInstance:
+    """Instance `instance_id` of the plan file `path` (SystemExit naming both when it has none)."""
+    from coral.allocation.plan import Plan
+
+    for inst in Plan.load(path).instances:
+        if inst.id == instance_id:
+            return inst
+    raise SystemExit(f"{path}: no instance {instance_id!r}")
 
 
 def serve_plan_node(argv: list[str]) -> None:
@@ -286,7 +288,6 @@ def serve_plan_node(argv: list[str]) -> None:
     coral.engine.instance ... --no-launch --results-port PORT`; the rendezvous is on node 0's machine)."""
     import argparse
 
-    from coral.allocation.plan import Plan
 
     ap = argparse.ArgumentParser(prog="python -m coral.engine.node", description=serve_plan_node.__doc__)
     ap.add_argument("--plan", type=Path, required=True)
@@ -302,19 +303,14 @@ def serve_plan_node(argv: list[str]) -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch threads per process")
     ap.add_argument("--log-dir", type=Path, default=None)
     args = ap.parse_args(argv)
-    matches = [i for i in Plan.load(args.plan).instances if i.id == args.instance]
-    if not matches:
-        raise SystemExit(f"{args.plan}: no instance {args.instance!r}")
     config = EngineConfig(device=args.device, dist_backend=args.dist_backend, dist_init=args.dist_init,
                           launch=False, threads_per_node=args.threads)
-    inst = CoralInstance.from_plan(matches[0], args.checkpoint, config)
+    inst = CoralInstance.from_plan(_plan_instance(args.plan, args.instance), args.checkpoint, config)
     mine = [c for c in inst.node_configs(args.scheduler) if c.rank == args.node_rank]
     if not mine:
         raise SystemExit(f"--node-rank {args.node_rank}: {args.instance} has nodes 0..{len(inst.layout.nodes) - 1}")
-    procs = []
-    for c in mine:
-        log = args.log_dir / f"{args.instance}.process{c.process_rank}.log" if args.log_dir else None
-        procs.append(spawn_node(replace(on_machine(c, args.host, args.advertise), parent_pid=os.getpid()), log))
+    procs = [spawn_node(replace(on_machine(c, args.host, args.advertise), parent_pid=os.getpid()), args.log_dir,
+                        args.instance) for c in mine]
     try:
         while all(p.poll() is None for p in procs):
             time.sleep(0.5)

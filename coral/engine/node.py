@@ -311,14 +311,14 @@ class Node:
         return out
 
 
-def spawn_node(cfg: NodeConfig, log: Path | None = None) -> subprocess.Popen[bytes]:
+def spawn_node(cfg: NodeConfig, log_dir: Path | None = None, instance_id: str = "") -> subprocess.Popen[bytes]:
     """Start the process of `cfg` (`python -m coral.engine.node JSON`) with `cfg.threads` torch threads, its
-    output appended to `log` (or dropped)."""
+    output appended to `<log_dir>/<instance_id>.process<rank>.log` (or dropped)."""
     env = {**os.environ, "OMP_NUM_THREADS": str(cfg.threads), "TOKENIZERS_PARALLELISM": "false"}
     out: IO[bytes] | None = None
-    if log is not None:
-        log.parent.mkdir(parents=True, exist_ok=True)
-        out = log.open("ab")
+    if log_dir is not None:
+        log_dir.mkdir(parents=True, exist_ok=True)
+        out = (log_dir / f"{instance_id or cfg.instance_id}.process{cfg.process_rank}.log").open("ab")
     try:
         return subprocess.Popen(
             [sys.executable, "-m", "coral.engine.node", cfg.to_json()], env=env,

@@ -63,8 +63,7 @@ class NodeActor:
         """Start one process per NodeConfig JSON (the node's TP ranks), bound to `host`; their pids."""
         for raw in configs:
             cfg = replace(on_machine(NodeConfig(**json.loads(raw)), host), parent_pid=os.getpid())
-            log = Path(log_dir) / f"{cfg.instance_id}.process{cfg.process_rank}.log" if log_dir else None
-            self.procs.append(spawn_node(cfg, log))
+            self.procs.append(spawn_node(cfg, Path(log_dir) if log_dir else None))
         return [p.pid for p in self.procs]
 
     def wait(self) -> str:
