@@ -304,13 +304,19 @@ def test_dashboard_of_the_running_gateway_counts_and_times_each_client_request(r
     n = N_PLAIN + N_STREAMED
     state = httpx.get(f"{runtime}/state", timeout=10).json()
     assert sum(i["served"] for i in state["instances"]) == 2 * n  # each request prefilled, then decoded
+
+    def history() -> tuple[dict[str, Any], float, bool]:
+        """The dashboard's state, its newest sample's time (-1 before any) and whether it has a TPOT point."""
+        view = httpx.get(f"{runtime}/dashboard/state.json", timeout=10).json()
+        series = view["timeseries"] or {}
+        queue = series.get("queue", {}).get("phi-4", [])
+        return view, queue[-1][0] if queue else -1.0, bool(series.get("tpot_p99_ms", {}).get("phi-4"))
+
+    vm, seen, _ = history()  # every sample after the newest one here was taken after the last request ended
     deadline = time.monotonic() + 20
-    vm: dict[str, Any] = {}
-    while time.monotonic() < deadline:  # bounded wait for a history sample taken after the last request
-        vm = httpx.get(f"{runtime}/dashboard/state.json", timeout=10).json()
-        queue = (vm["timeseries"] or {}).get("queue", {}).get("phi-4", [])
-        tpot = (vm["timeseries"] or {}).get("tpot_p99_ms", {}).get("phi-4", [])
-        if len(queue) >= 3 and tpot:
+    while time.monotonic() < deadline:  # bounded wait for such a sample
+        vm, newest, has_tpot = history()
+        if newest > seen and has_tpot and len(vm["timeseries"]["queue"]["phi-4"]) >= 3:
             break
         time.sleep(0.05)
     live = vm["live"]

@@ -261,14 +261,14 @@ class Scheduler:
         req.position = 0
 
     def _emit(self, req: Request, token: int, logits: list[float] | None) -> None:
-        """A new token of `req`: hand it on, then finish the request or queue its next step."""
+        """A new token of `req`: finish the request or queue its next step, then hand the token on."""
         req.output.append(token)
         finish = "stop" if token in req.stop_ids else "length" if len(req.output) >= req.max_tokens else None
-        req.on_event(token, finish, logits)
-        if finish is not None:
+        if finish is not None:  # finished before its caller hears so: no longer active, its KV kept or freed
             self._finish(req)
         else:
             req.pending = [token]
+        req.on_event(token, finish, logits)
 
     def _finish(self, req: Request) -> None:
         self.active.pop(req.rid, None)
