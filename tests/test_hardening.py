@@ -227,6 +227,28 @@ def test_engine_app_without_a_key_stays_open():
         srv.stop()
 
 
+def test_a_forced_stop_still_ends_the_apps_lifespan(caplog):
+    """A crash-like stop (open connections dropped) still runs the app's shutdown: nothing is cancelled midway,
+    nothing logged as an error."""
+    from contextlib import asynccontextmanager
+
+    from fastapi import FastAPI
+
+    phases: list[str] = []
+
+    @asynccontextmanager
+    async def lifespan(_app):
+        phases.append("up")
+        yield
+        phases.append("down")
+
+    srv = ServerThread(FastAPI(lifespan=lifespan)).start()
+    with caplog.at_level("WARNING"):
+        srv.stop(force=True)
+    assert not srv.thread.is_alive() and phases == ["up", "down"]
+    assert not [r for r in caplog.records if r.levelname in ("WARNING", "ERROR")]
+
+
 def wait_until(check, tries: int = 600) -> bool:
     """Poll `check` (bounded: `tries` x 0.1 s)."""
     for _ in range(tries):

@@ -11,6 +11,7 @@ waits at most `grace_s` for requests in flight; a second SIGTERM or SIGINT durin
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
 import threading
 import time
@@ -103,13 +104,25 @@ def server_config(
 
 
 class DrainingServer(uvicorn.Server):
-    """uvicorn's server with a second signal forcing the exit (uvicorn forces only on a second SIGINT) and
-    no signal re-raised after the shutdown, so the caller's cleanup (stopping engines) runs."""
+    """uvicorn's server with a second signal forcing the exit (uvicorn forces only on a second SIGINT), no
+    signal re-raised after the shutdown, so the caller's cleanup (stopping engines) runs, and the app's lifespan
+    ended even on a forced exit (uvicorn skips it there, and closing the loop then cancels the lifespan task,
+    which logs a CancelledError traceback)."""
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self.should_exit:
             self.force_exit = True
         self.should_exit = True
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().shutdown(sockets)
+        if self.force_exit:
+            try:
+                async with asyncio.timeout(self.config.timeout_graceful_shutdown):
+                    await self.lifespan.shutdown()
+            except TimeoutError:
+                logging.getLogger("uvicorn.error").warning(
+                    "the app's lifespan did not end within %s s of a forced exit", self.config.timeout_graceful_shutdown)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -137,7 +150,7 @@ class ServerThread:
         self.host = host
         self.port = port or free_port(host)
         config = server_config(app, host, self.port, log_level, http, loop, header_timeout_s, grace_s)
-        self.server = uvicorn.Server(config)
+        self.server = DrainingServer(config)
         self.thread = threading.Thread(target=self.server.run, name=f"uvicorn-{self.port}", daemon=True)
 
     @property
