@@ -24,8 +24,9 @@ from typing import Any
 import zmq
 
 from coral.allocation.plan import PlanInstance
+from coral.engine.launch import NodeConfig, on_machine, spawn_node
 from coral.engine.layout import Layout, NodeSlot
-from coral.engine.node import Node, NodeConfig, on_machine, spawn_node
+from coral.engine.node import Node
 from coral.engine.scheduler import Scheduler
 from coral.engine.shard import checkpoint_layers
 from coral.engine.transport import LocalHub, LocalTransport, advertised
