@@ -43,7 +43,6 @@ class NodeConfig:
         return json.dumps(asdict(self))
 
 
-
 def spawn_node(cfg: NodeConfig, log_dir: Path | None = None, instance_id: str = "") -> subprocess.Popen[bytes]:
     """Start the process of `cfg` (`python -m coral.engine.node JSON`) with `cfg.threads` torch threads, its
     output appended to `<log_dir>/<instance_id>.process<rank>.log` (or dropped)."""
