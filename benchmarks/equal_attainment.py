@@ -2,7 +2,7 @@
 meets the attainment target on the tuning requests, scored on held-out requests it never saw.
 
     python benchmarks/equal_attainment.py [--scenario core extended] [--target 0.9 0.99] [--method ...]
-                                          [--setting default scarce imbalanced] [--budget 600]
+                                          [--setting default scarce imbalanced] [--rounds N] [--budget S]
     python benchmarks/equal_attainment.py --merge A.json B.json    # one table from runs made in parallel
     python benchmarks/equal_attainment.py --previous --scenario core   # the previous default sizing, scored
 
@@ -10,15 +10,21 @@ Each (scenario, target, method) runs `coral.planning.search_plan` with the metho
 market, availability, traffic and search settings), then scores the chosen plan on the held-out request sets.
 Prints a table ($/h, × Coral, least held-out attainment, rounds, seconds) and writes
 out/benchmarks/equal_attainment.json. A method whose plan misses a target on held-out requests is marked; its
-cost is not comparable and gets no ratio. Settings: "default" (the scenario as shipped), "scarce" (availability
-by the headroom rule at 1.25× the cheapest plan's nodes instead of 3×), "imbalanced" (the paper's small-heavy
-setting: 80 % of the total request rate on the smallest third of the models, the rest shared by the others).
+cost is not comparable and gets no ratio. Settings: "default" (the scenario as shipped: its market, unlimited),
+"best-gpu-N" (a market of our own making, independent of any plan: N GPUs of the scenario's best type in all, the
+weaker types plentiful), "scarce" (availability by the headroom rule at 1.25× Coral's cheapest plan's nodes),
+"imbalanced" (the paper's small-heavy setting: 80 % of the total request rate on the smallest third of the
+models, the rest shared by the others). Each row carries its plan's fingerprint ("plan"), so a run with `--load N`
+(N busy processes meanwhile) can be compared with an idle one: the plans must be the same.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+import hashlib
 import json
+import multiprocessing
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -29,19 +35,21 @@ from rich.table import Table
 
 from coral.allocation import baselines
 from coral.allocation.allocator import allocate
-from coral.allocation.availability import resolve_availability
+from coral.allocation.availability import market_availability, resolve_availability
 from coral.allocation.demand import run_length_s
 from coral.allocation.plan import Plan
-from coral.catalog.loader import load_scenario
+from coral.catalog.loader import load_scenario, market_catalog
 from coral.catalog.schema import Scenario, TargetUtilization
 from coral.experiments.allocation import paper_imbalanced_rates, with_rates
 from coral.planning import SearchSettings, allocator_planner, search_plan
+from coral.planning.slo_search import Evaluator, simulator_evaluator
 from coral.simulation.run import simulate
 from coral.templates.store import load_library
 from coral.workload.traces import workload_for
 
 METHODS: dict[str, Callable[..., Plan]] = {
     "coral": allocate,
+    "coral-throughput": functools.partial(allocate, latency=False),  # templates rated by throughput alone (before)
     "homo-ilp": baselines.homo_ilp,
     "homo-greedy": baselines.homo_greedy,
     "cauchy-paper": baselines.cauchy_paper,
@@ -67,12 +75,32 @@ def previous_default(name: str, library_dir: Path, console: Console) -> dict[str
     plan = allocate(lib, old, availability=resolve_availability(old, lib))
     row: dict[str, Any] = {"scenario": name, "cost_per_hour": plan.cost_per_hour}
     for label, sc in (("compressed", old), ("superposed", base)):
-        sets = [simulate(plan, sc, workload_for(sc, run_length_s(sc), seed), duration_s=run_length_s(sc), seed=seed)
+        sets = [simulate(plan, sc, workload_for(sc, run_length_s(sc), seed, part="held_out"), duration_s=run_length_s(sc), seed=seed)
                 for seed in SearchSettings().held_out_seeds]
         row[label] = {m.model: sum(r.model(m.model).slo_attainment for r in sets) / len(sets) for m in sets[0].models}
         console.print(f"{name} previous default ${plan.cost_per_hour:,.2f}/h, traces {label}: " + ", ".join(
             f"{m} {a:.1%}" for m, a in row[label].items()))
     return row
+
+
+def best_gpu_market(scenario: Scenario, gpus: int) -> dict[str, dict[str, int]] | str:
+    """A scarce market of our own making: the scenario's best GPU type (most TFLOPS) limited to `gpus` GPUs in
+    all, spread evenly over the regions selling it in its smallest node type (larger node types of it: none),
+    every other GPU type as plentiful as asked. Independent of any method's plan."""
+    catalog = market_catalog(scenario)
+    used = {o.gpu for o in catalog.offerings if o.region in scenario.regions and o.config in scenario.configs}
+    best = max(used, key=lambda g: catalog.gpus[g].tflops)
+    mine = [o for o in catalog.offerings if o.gpu == best and o.region in scenario.regions
+            and o.config in scenario.configs]
+    regions = sorted({o.region for o in mine})
+    limited = []
+    for o in catalog.offerings:
+        if o in mine:
+            quota = gpus // len(regions) + (1 if regions.index(o.region) < gpus % len(regions) else 0)
+            smallest = min(m.gpus_per_node for m in mine if m.region == o.region)
+            o = o.model_copy(update={"available": quota // o.gpus_per_node if o.gpus_per_node == smallest else 0})
+        limited.append(o)
+    return market_availability(scenario, catalog.with_offerings(limited))
 
 
 def imbalanced(scenario: Scenario) -> Scenario:
@@ -81,9 +109,10 @@ def imbalanced(scenario: Scenario) -> Scenario:
 
 
 def search_row(name: str, setting: str, sc: Scenario, method: str, planner: Callable[[Any], Plan],
-               settings: SearchSettings) -> tuple[dict[str, Any], Plan | None]:
+               settings: SearchSettings, evaluate: Evaluator | None = None,
+               subset: Callable[[Any], Plan] | None = None) -> tuple[dict[str, Any], Plan | None]:
     t0 = time.perf_counter()
-    res = search_plan(planner, sc, settings)
+    res = search_plan(planner, sc, settings, evaluate=evaluate, subset=subset)
     plan = res.plan
     slo = plan.slo if plan is not None else None
     return {
@@ -95,9 +124,19 @@ def search_row(name: str, setting: str, sc: Scenario, method: str, planner: Call
         "verdict": slo.verdict if slo else {}, "held_out_seeds": slo.held_out_seeds if slo else [],
         "headroom": {f"{m}/{p.value}": round(h, 4) for (m, p), h in res.headroom.items()},
         "heterogeneous_instances": sum(i.heterogeneous for i in plan.instances) if plan is not None else 0,
+        "plan_sha": hashlib.sha256(plan.model_dump_json(include={"instances"}).encode()).hexdigest()[:16]
+        if plan is not None else None,
         "rounds": len(res.rounds), "rounds_meeting_targets": sum(r.passed for r in res.rounds),
+        "safety_net": res.safety_net,  # None: the row depends on its inputs alone, not on the machine's load
         "seconds": time.perf_counter() - t0,
     }, plan
+
+
+def spin() -> None:
+    """A busy process (the --load option)."""
+    x = 0
+    while True:
+        x = (x * 7 + 1) % 1_000_003
 
 
 def main() -> None:
@@ -105,8 +144,14 @@ def main() -> None:
     ap.add_argument("--scenario", nargs="+", default=["core", "extended"])
     ap.add_argument("--target", nargs="+", type=float, default=[0.9, 0.99])
     ap.add_argument("--method", nargs="+", default=list(METHODS), choices=list(METHODS))
-    ap.add_argument("--setting", nargs="+", default=["default"], choices=["default", "scarce", "imbalanced"])
-    ap.add_argument("--budget", type=float, default=600.0, help="seconds per search (checked between rounds)")
+    ap.add_argument("--setting", nargs="+", default=["default"],
+                    help="default | scarce (headroom rule at 1.25x Coral's cheapest plan) | imbalanced | best-gpu-N "
+                         "(a market with N GPUs of the scenario's best type in all, the others plentiful)")
+    ap.add_argument("--rounds", type=int, default=None,
+                    help="rounds per search, its budget (default: the search's, 14 for 3 models, 17 for extended)")
+    ap.add_argument("--budget", type=float, default=None,
+                    help="wall-clock safety net per search, s, checked between rounds (default: the search's, 480 "
+                         "for 3 models, 1920 for extended); a row it stopped records it in safety_net")
     ap.add_argument("--library-dir", type=Path, default=Path("out"))
     ap.add_argument("--out", type=Path, default=Path("out/benchmarks"))
     ap.add_argument("--name", default="equal_attainment", help="JSON file name (without .json)")
@@ -115,8 +160,13 @@ def main() -> None:
     ap.add_argument("--merge", nargs="+", type=Path, default=[],
                     help="no runs: merge the rows of these JSON files (runs made in parallel; a later file's row for the "
                          "same scenario, setting, target and method wins) into --name")
+    ap.add_argument("--load", type=int, default=0,
+                    help="keep this many busy processes running meanwhile (a loaded machine: plans must not change)")
     args = ap.parse_args()
     console = Console(width=160)
+    busy = [multiprocessing.Process(target=spin, daemon=True) for _ in range(args.load)]
+    for proc in busy:
+        proc.start()
     if args.previous:
         out = [previous_default(name, args.library_dir, console) for name in args.scenario]
         args.out.mkdir(parents=True, exist_ok=True)
@@ -136,11 +186,16 @@ def main() -> None:
             for target in args.target:
                 sc = with_target(load_scenario(name), target)
                 sc = imbalanced(sc) if setting == "imbalanced" else sc
-                avail = resolve_availability(sc, lib, factor=SCARCE_FACTOR if setting == "scarce" else None)
+                avail = (best_gpu_market(sc, int(setting.split("-")[-1])) if setting.startswith("best-gpu-") else
+                         resolve_availability(sc, lib, factor=SCARCE_FACTOR if setting == "scarce" else None))
+                settings = SearchSettings(max_rounds=args.rounds, time_budget_s=args.budget)
+                # one evaluator per (scenario, setting, target): a plan two searches share is simulated once
+                evaluate = simulator_evaluator(sc, run_length_s(sc), held_out_seeds=settings.held_out_seeds)
                 for method in args.method:
                     planner = allocator_planner(lib, sc, avail, method=METHODS[method])
-                    row, plan_of_row = search_row(name, setting, sc, method, planner,
-                                                  SearchSettings(time_budget_s=args.budget))
+                    # Coral's search first runs the homogeneous ILP's own rounds (never dearer than its result)
+                    subset = allocator_planner(lib, sc, avail, method=baselines.homo_ilp) if method == "coral" else None
+                    row, plan_of_row = search_row(name, setting, sc, method, planner, settings, evaluate, subset)
                     rows.append(row)
                     if plan_of_row is not None:
                         plan_of_row.save(plans / f"{name}.{setting}.{target:g}.{method}.json")
@@ -151,7 +206,7 @@ def main() -> None:
                     path.write_text(json.dumps({"rows": rows}, indent=1))
     table = Table(title="Cheapest plan meeting every model's target, scored on held-out requests")
     for col in ("scenario", "setting", "target", "method", "$/h", "× coral", "held-out, least model",
-                "worst set", "het. inst.", "rounds", "s"):
+                "worst set", "het. inst.", "rounds", "s", "plan"):
         table.add_column(col, justify="left" if col in ("scenario", "setting", "method") else "right")
     for r in rows:
         coral = next((c for c in rows if (c["scenario"], c["setting"], c["target"], c["method"])
@@ -162,7 +217,7 @@ def main() -> None:
                       r["method"] + ("" if r["met_held_out"] else " (misses)"), f"{r['cost_per_hour'] or 0:,.2f}",
                       ratio, f"{min(r['held_out'].values(), default=0):.1%}",
                       f"{min(r['held_out_worst'].values(), default=0):.1%}", str(r["heterogeneous_instances"]),
-                      str(r["rounds"]), f"{r['seconds']:.0f}")
+                      str(r["rounds"]), f"{r['seconds']:.0f}", (r.get("plan_sha") or "–")[:8])
     console.print(table)
     console.print(f"wrote {path}")
 

@@ -8,13 +8,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from toy_search import NEEDED, toy_evaluator, toy_planner, toy_scenario
 
 from coral.allocation.demand import TUNING_SEED, headroom, scenario_traffic
-from coral.allocation.plan import ModelServing, Plan, SolveReport
+from coral.allocation.plan import Plan
 from coral.catalog.loader import load_scenario
-from coral.catalog.schema import Scenario, ScenarioModel, TargetUtilization
+from coral.catalog.schema import TargetUtilization
 from coral.perf.model import Phase
-from coral.planning.slo_search import Attainment, SearchSettings, search_plan
+from coral.planning.slo_search import Evaluator, SearchSettings, search_plan
 from coral.workload.burst import burst_factors, decode_concurrency, prefill_window_rates, weighted_percentile
 from coral.workload.traces import RequestSet, rescale, superpose, synthetic, tile, workload_for
 
@@ -104,48 +105,18 @@ def test_workload_scaling_option() -> None:
 
 # --- the search on a synthetic world -------------------------------------------------------------------------
 
-NEEDED = {("a", Phase.PREFILL): 2.0, ("a", Phase.DECODE): 1.3, ("b", Phase.PREFILL): 3.0, ("b", Phase.DECODE): 1.1}
-
-
-def _scenario(target: float = 0.9) -> Scenario:
-    models = [ScenarioModel(model=m, prefill_slo_ms=1000, decode_slo_ms=50, request_rate=1, mean_input_tokens=100,
-                            mean_output_tokens=10, slo_attainment=target,
-                            trace="synthetic") for m in ("a", "b")]
-    return Scenario(name="toy", regions=["r"], configs=["1xL4"], models=models, availability={"r": {"1xL4": 1}})
-
-
-def _planner(demand: dict[tuple[str, Phase], float]) -> Plan:
-    serving = [ModelServing(model=m, phase=p.value, demand=d, capacity=d, served_fraction=1, cost_per_hour=d)
-               for (m, p), d in demand.items()]
-    return Plan(scenario="toy", method="toy", instances=[], serving=serving,
-                cost_per_hour=sum(demand.values()), solve=SolveReport(status="toy"))
-
-
-def _world(ceiling: float = 1.0) -> tuple[list[tuple[int, float]], object]:
-    """A phase meets its SLO for a share min(1, h / needed)^4 of requests (h: planned / mean traffic); both
-    phases for the product, at most `ceiling`. Records (seed, share) of every evaluation."""
+def _world(ceiling: float = 1.0) -> tuple[list[tuple[int, float]], Evaluator]:
     calls: list[tuple[int, float]] = []
-    traffic = scenario_traffic(_scenario())
-
-    def evaluate(plan: Plan, seed: int, share: float) -> dict[str, Attainment]:
-        calls.append((seed, share))
-        h = {(s.model, Phase(s.phase)): s.demand / traffic[(s.model, Phase(s.phase))] for s in plan.serving}
-        out = {}
-        for m in ("a", "b"):
-            p, d = (min(1.0, h[(m, ph)] / NEEDED[(m, ph)]) ** 4 for ph in (Phase.PREFILL, Phase.DECODE))
-            out[m] = Attainment(min(ceiling, p * d), p, d)
-        return out
-
-    return calls, evaluate
+    return calls, toy_evaluator(ceiling, calls)
 
 
 def test_search_finds_a_near_cheapest_passing_plan_and_stops() -> None:
     calls, evaluate = _world()
-    res = search_plan(_planner, _scenario(), SearchSettings(max_rounds=30, time_budget_s=60), evaluate=evaluate)
+    res = search_plan(toy_planner, toy_scenario(), SearchSettings(max_rounds=30, time_budget_s=60), evaluate=evaluate)
     assert res.met and res.plan is not None and res.plan.slo is not None
     # the cheapest passing plan has each model's phases jointly at 90 % + margin; cost within a few % of the
     # cheapest plan meeting 0.91 with both phases sized equally (within tolerance^2 of that)
-    traffic = scenario_traffic(_scenario())
+    traffic = scenario_traffic(toy_scenario())
     need = {k: NEEDED[k] * 0.91 ** (1 / 8) for k in NEEDED}
     floor = sum(traffic[k] * need[k] for k in NEEDED)
     assert floor * 0.9 <= res.plan.cost_per_hour <= floor * 1.06**2
@@ -160,15 +131,15 @@ def test_search_finds_a_near_cheapest_passing_plan_and_stops() -> None:
 
 def test_search_respects_its_round_and_time_bounds() -> None:
     _, evaluate = _world()
-    assert len(search_plan(_planner, _scenario(), SearchSettings(max_rounds=3), evaluate=evaluate).rounds) == 3
+    assert len(search_plan(toy_planner, toy_scenario(), SearchSettings(max_rounds=3), evaluate=evaluate).rounds) == 3
     # a spent time budget still runs one round, and returns its plan with a verdict
-    res = search_plan(_planner, _scenario(), SearchSettings(time_budget_s=0.0), evaluate=evaluate)
+    res = search_plan(toy_planner, toy_scenario(), SearchSettings(time_budget_s=0.0), evaluate=evaluate)
     assert len(res.rounds) == 1 and res.plan is not None and res.plan.slo is not None
 
 
 def test_unreachable_target_gets_a_verdict_that_says_why() -> None:
     calls, evaluate = _world(ceiling=0.8)
-    res = search_plan(_planner, _scenario(), SearchSettings(max_rounds=6), evaluate=evaluate)
+    res = search_plan(toy_planner, toy_scenario(), SearchSettings(max_rounds=6), evaluate=evaluate)
     assert not res.met and res.plan is not None and res.plan.slo is not None
     for m in ("a", "b"):
         verdict = res.plan.slo.verdict[m]
@@ -180,11 +151,11 @@ def test_unreachable_target_gets_a_verdict_that_says_why() -> None:
 def test_search_meets_every_target_on_core_held_out() -> None:
     from coral.allocation.availability import resolve_availability
     from coral.experiments.allocation import load_library
-    from coral.planning import allocator_planner
+    from coral.planning import allocatortoy_planner
 
     sc = load_scenario("core")
     lib = load_library("core", Path("out"))
-    res = search_plan(allocator_planner(lib, sc, resolve_availability(sc, lib)), sc)
+    res = search_plan(allocatortoy_planner(lib, sc, resolve_availability(sc, lib)), sc)
     assert res.plan is not None and res.plan.slo is not None
     assert res.met, res.plan.slo.verdict
     assert all(res.plan.slo.held_out[m] >= 0.9 for m in res.plan.slo.target)
@@ -197,15 +168,53 @@ def test_a_target_single_requests_cannot_meet_gets_a_real_verdict() -> None:
     """phi-4 on core's nodes with a 600 ms TTFT SLO: its longest prompts cannot be prefilled in time on any
     template, however many there are, so 99 % is out of reach and the verdict says so and names what is."""
     from coral.allocation.availability import resolve_availability
-    from coral.planning import allocator_planner
+    from coral.planning import allocatortoy_planner
     from coral.templates.build import build_library
 
     core = load_scenario("core")
     phi = core.models[0].model_copy(update={"prefill_slo_ms": 600.0, "request_rate": 2.0, "slo_attainment": 0.99})
     sc = core.model_copy(update={"name": "tight", "models": [phi], "epochs": 1, "epoch_minutes": 10})
     lib = build_library(sc, workers=1)
-    res = search_plan(allocator_planner(lib, sc, resolve_availability(sc, lib)), sc,
+    res = search_plan(allocatortoy_planner(lib, sc, resolve_availability(sc, lib)), sc,
                       SearchSettings(max_rounds=3, held_out_seeds=(1,)))
     assert res.plan is not None and res.plan.slo is not None and not res.met
     verdict = res.plan.slo.verdict["phi-4"]
     assert verdict.startswith("fail") and "even served alone" in verdict and "slo_attainment <=" in verdict
+
+
+def test_search_with_a_subsettoy_planner_is_never_dearer_than_the_subset_search() -> None:
+    """A full planner whose plans are 10 % cheaper at equal demand but attain as if given 60 % of the capacity
+    (the heterogeneous plans that priced throughput only): on its own its search ends 1.5x dearer than the
+    subset's; searching the subset first keeps the subset's plan."""
+    def full(demand: dict[tuple[str, Phase], float]) -> Plan:
+        plan = toy_planner({k: v * 0.6 for k, v in demand.items()})
+        plan.method, plan.cost_per_hour = "full", plan.cost_per_hour / 0.6 * 0.9
+        return plan
+
+    evaluate = toy_evaluator()
+
+    settings = SearchSettings(max_rounds=12)
+    alone = search_plan(full, toy_scenario(), settings, evaluate=evaluate)
+    subset = search_plan(toy_planner, toy_scenario(), settings, evaluate=evaluate)
+    both = search_plan(full, toy_scenario(), settings, evaluate=evaluate, subset=toy_planner)
+    assert alone.met and subset.met and both.met
+    assert alone.plan is not None and subset.plan is not None and both.plan is not None
+    assert alone.plan.cost_per_hour > 1.3 * subset.plan.cost_per_hour
+    assert both.plan.cost_per_hour <= subset.plan.cost_per_hour + 1e-9
+    assert [r.headroom for r in both.rounds[:len(subset.rounds)]] == [r.headroom for r in subset.rounds]
+    assert len(both.rounds) > len(subset.rounds)  # then the full planner's own rounds, numbered on
+    assert [r.index for r in both.rounds] == list(range(len(both.rounds)))
+
+
+def test_a_key_that_does_not_respond_to_capacity_stops_drawing_it() -> None:
+    """Model a's prompts meet the TTFT SLO for at most 80 % of requests whatever its prefill capacity (a latency
+    ceiling): the search stops growing that key and says why, rather than buying capacity every round."""
+    evaluate = toy_evaluator(phase_cap={("a", Phase.PREFILL): 0.8})
+    res = search_plan(toy_planner, toy_scenario(), SearchSettings(max_rounds=14), evaluate=evaluate)
+    key = ("a", Phase.PREFILL)
+    grown = [r.headroom[key] for r in res.rounds]
+    # three misses while it grew 2x without gaining: frozen from then on, not climbing round after round
+    assert max(grown) <= 2.1 * grown[0] and len(set(grown[3:])) == 1 and len(grown) > 4
+    assert res.plan is not None and res.plan.slo is not None
+    assert any(n.startswith("a/prefill does not respond to capacity") for n in res.plan.slo.notes)
+    assert res.plan.slo.verdict["b"].startswith("pass") or res.plan.slo.held_out["b"] >= 0.9

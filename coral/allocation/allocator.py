@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import numpy as np
@@ -14,6 +14,7 @@ import numpy as np
 from coral.allocation import core, solver
 from coral.allocation.classes import KeyClasses, key_classes
 from coral.allocation.demand import DemandKey, scenario_demand
+from coral.allocation.latency import LatencyBound, latency_bound, scenario_latency
 from coral.allocation.plan import Plan, PlanClass, SolveReport
 from coral.catalog.loader import Catalog, CoralInputError, market_catalog
 from coral.catalog.schema import Scenario
@@ -22,11 +23,11 @@ from coral.templates.library import TemplateLibrary
 
 Mode = Literal["cost", "goodput", "maxmin", "scaled"]
 MODES = ("cost", "goodput", "maxmin", "scaled")
-UNLIMITED = "unlimited"
+UNLIMITED = core.UNLIMITED
 #: max-min and goodput problems of at most this many variables go to HiGHS whole, warm-started: there the LP
 #: pipeline's rounds cost more than they save (`benchmarks/allocator.py --replan`)
 DIRECT_COLUMNS = 4000
-RESERVE = 0.1  # share of the time limit kept for building the plan and HiGHS's overrun of its own limits
+RESERVE = 0.1  # share of the time limit (the safety net) kept for building the plan and HiGHS's overrun of it
 FAIRNESS = 0.5  # goodput mode: every model keeps at least this share of the uniform max-min fraction
 
 
@@ -53,6 +54,7 @@ class _Context:
     cols: core.Columns
     reduce: bool
     classes: dict[int, KeyClasses]
+    bound: list[LatencyBound]
 
 
 def _keys_and_demand(scenario: Scenario, demand: Mapping[DemandKey, float] | None) -> tuple[list[DemandKey], np.ndarray]:
@@ -68,7 +70,7 @@ def _keys_and_demand(scenario: Scenario, demand: Mapping[DemandKey, float] | Non
 
 def _context(library: TemplateLibrary, scenario: Scenario, demand: Mapping[DemandKey, float] | None,
              availability: core.Availability | str | None, catalog: Catalog | None,
-             running: Plan | core.Running | None, reduce: bool) -> _Context:
+             running: Plan | core.Running | None, reduce: bool, latency: bool = True) -> _Context:
     catalog = catalog or market_catalog(scenario)
     keys, dem = _keys_and_demand(scenario, demand)
     for m, p in keys:
@@ -93,9 +95,11 @@ def _context(library: TemplateLibrary, scenario: Scenario, demand: Mapping[Deman
             kc = key_classes(library, models[m], p, *core.key_rows(library, m, str(p), False), catalog)
             if kc is not None:
                 classes[k] = kc
-    cols = core.make_columns(library, keys, market, dem, run, reduce=reduce, classes=classes)
+    rating = scenario_latency(library, scenario, catalog) if latency else {}
+    allowed = {k: rating[key].kept for k, key in enumerate(keys) if key in rating and dem[k] > 0}
+    cols = core.make_columns(library, keys, market, dem, run, reduce=reduce, classes=classes, allowed=allowed)
     return _Context(library, scenario, keys, dem, w, market, run, scenario.init_penalty_k if running is not None
-                    else None, cols, reduce, classes)
+                    else None, cols, reduce, classes, latency_bound([rating[k] for k in keys if k in rating]))
 
 
 @dataclass
@@ -165,7 +169,39 @@ def _solve_cost(ctx: _Context, fraction: float | np.ndarray, weights: np.ndarray
     problem, layout = core.assemble(ctx.cols, ctx.market, ctx.demand * w, penalty_k=ctx.penalty_k,
                                     min_fraction=fraction)
     start = _start(ctx, problem, layout, ctx.demand * w * fraction, prev, w)
-    return _stage(ctx, solver.solve(problem, time_limit=time_limit, gap=gap, start=start, reduce=ctx.reduce), layout)
+    nets: list[str] = []
+    homo = _homogeneous_optimum(ctx, problem, layout, time_limit / 2, gap, nets)
+    if homo is not None and (start is None or float(problem.cost @ homo) < float(problem.cost @ start)):
+        start = homo
+    out = solver.solve(problem, time_limit=time_limit / 2 if homo is not None else time_limit, gap=gap, start=start,
+                       reduce=ctx.reduce)
+    if homo is not None and (out.x is None or float(problem.cost @ out.x) > float(problem.cost @ homo) + 1e-9):
+        out.notes.append(f"the homogeneous plan (${float(problem.cost @ homo):,.2f}/h) beat what the solver "
+                         "returned; kept")
+        out.x, out.objective = homo, float(problem.cost @ homo)
+    out.safety_net = solver._nets(*nets, out.safety_net)
+    return _stage(ctx, out, layout)
+
+
+def _homogeneous_optimum(ctx: _Context, problem: solver.Problem, layout: core.Layout, time_limit: float,
+                         gap: float, nets: list[str] | None = None) -> np.ndarray | None:
+    """The best plan of `problem` using single-config templates only (the homogeneous ILP at the same demand), or
+    None when the columns are all of one kind or no such plan exists: the full problem's warm start and its
+    floor, so a plan is never dearer than the homogeneous subset of its own columns."""
+    mixed = (ctx.cols.counts > 0).sum(axis=1) > 1
+    if not mixed.any() or mixed.all():
+        return None
+    upper = problem.upper.copy()
+    upper[:layout.n_x][mixed] = 0.0
+    if layout.share_parent is not None and len(layout.share_parent):
+        upper[layout.share_start:][mixed[layout.share_parent]] = 0.0
+    sub = replace(problem, upper=upper)
+    out = solver.solve(sub, time_limit=time_limit, gap=gap, start=None, reduce=ctx.reduce)
+    if out.safety_net and nets is not None:  # the wall-clock safety net stopped it (`solver.Outcome.safety_net`)
+        nets.append(out.safety_net)
+    if out.x is None or problem.violation(out.x) > 1e-9:
+        return None
+    return out.x
 
 
 def _solve_served(ctx: _Context, objective: Literal["maxmin", "goodput"], weights: np.ndarray,
@@ -228,13 +264,19 @@ def _capacity(ctx: _Context, layout: core.Layout, x: np.ndarray) -> np.ndarray:
     return cap
 
 
-def _report(ctx: _Context, out: solver.Outcome, extra_time: float = 0.0, notes: list[str] | None = None
-            ) -> SolveReport:
-    pre = [f"{len(ctx.cols)} candidate columns (template, region); {ctx.cols.dropped} removed by dominance and "
-           "availability fit"] if ctx.reduce else []
+def _report(ctx: _Context, out: solver.Outcome, extra_time: float = 0.0, notes: list[str] | None = None,
+            stages: tuple[_Stage, ...] = ()) -> SolveReport:
+    """The plan's solve report: `out`'s, with the wall-clock safety net's hits in `out` and the earlier `stages`
+    (`safety_net`, also noted first: a plan made when it hit depends on the machine's speed and load)."""
+    net = solver._nets(*(st.out.safety_net for st in stages), out.safety_net)
+    pre = [f"{len(ctx.cols)} candidate columns (template, region); {ctx.cols.dropped} removed by dominance, "
+           "availability fit and latency (templates on which too few requests meet the SLO served alone)"
+           ] if ctx.reduce else []
+    pre += [b.words() for b in ctx.bound]
     return SolveReport(status=out.status, objective=out.objective, bound=out.bound, gap=out.gap,
                        time_s=out.time_s + extra_time, n_variables=out.n_cols, n_constraints=out.n_rows,
-                       notes=pre + (notes or []) + out.notes)
+                       notes=([f"safety net: {net}"] if net else []) + pre + (notes or []) + out.notes,
+                       safety_net=net)
 
 
 def _plan(ctx: _Context, out: solver.Outcome, layout: core.Layout, mode: str, report: SolveReport,
@@ -303,6 +345,7 @@ def allocate(
     scale_step: float = 0.05,
     method: str = "coral",
     fairness: float = FAIRNESS,
+    latency: bool = True,
 ) -> Plan:
     """Plan instances of `library` templates per region for `demand` (tokens/s per (model, phase); default: the
     scenario's, see `phase_demand`) under `availability` ({region: {config: nodes}}; None = the scenario's,
@@ -315,11 +358,15 @@ def allocate(
     minimises cost at what each key got; "maxmin" maximises t and then
     minimises cost at t; "scaled" scales all demand by the largest multiple of `scale_step` that is feasible
     (the paper's protocol) and minimises cost there. With `running` (a previous plan or {(template id, region):
-    count}), starting an instance costs K·price extra (K = scenario.init_penalty_k).
+    count}), starting an instance costs K·price extra (K = scenario.init_penalty_k). With `latency` (default), a
+    (model, phase) only uses templates on which enough of its requests meet the SLO served alone
+    (`coral.allocation.latency`; latency-bound keys are named in the report's notes).
 
-    `time_limit` holds for the whole call (stages share what is left; `RESERVE` of it is kept for building the
-    plan). A stage that runs out of time keeps its incumbent; when a later stage finds nothing, the plan of the
-    stage before it is returned (noted in the report). Only the cost mode raises, when no plan meets the demand; "maxmin" and "scaled" raise when t = 0."""
+    Deterministic: the solves stop on work limits (`coral.allocation.solver`), so the same inputs give the same
+    plan on an idle or a loaded machine. `time_limit` (s) is only a wall-clock safety net for the whole call
+    (each stage may use what is left of it; `RESERVE` of it is kept for building the plan); when it stops a
+    solve, the plan's `solve.safety_net` says where. A stage stopped by a limit keeps its incumbent; when a later
+    stage finds nothing, the plan of the stage before it is returned (noted in the report). Only the cost mode raises, when no plan meets the demand; "maxmin" and "scaled" raise when t = 0."""
     if mode not in MODES:
         raise CoralInputError(f"mode: must be one of {', '.join(MODES)}, not {mode!r}")
     if not 0 < scale_step <= 1:
@@ -327,20 +374,24 @@ def allocate(
     if not 0 <= fairness <= 1:
         raise CoralInputError("fairness: must be in [0, 1]")
     deadline = time.perf_counter() + time_limit * (1 - RESERVE)
-    ctx = _context(library, scenario, demand, availability, catalog, running, reduce)
+    ctx = _context(library, scenario, demand, availability, catalog, running, reduce, latency)
 
-    def left(stages: int) -> float:
-        return max(0.05, (deadline - time.perf_counter()) / stages)
+    def left() -> float:
+        """The safety net of the next stage: what is left of the whole call's (not split between the stages
+        to come: splitting by time would make a stage's work depend on the machine when the net is not hit)."""
+        return max(0.05, deadline - time.perf_counter())
 
     ones = np.ones(len(ctx.demand))
     if mode == "cost":
-        cost = _solve_cost(ctx, 1.0, None, left(1), gap)
+        cost = _solve_cost(ctx, 1.0, None, left(), gap)
         if cost.out.x is None:
-            raise _explain(ctx, None, ones, left(1), gap)
+            raise _explain(ctx, None, ones, left(), gap)
         return _plan(ctx, cost.out, cost.layout, "cost", _report(ctx, cost.out), method)
+    stages: list[_Stage] = []
     weights = ones if mode == "scaled" else ctx.weights
-    mm = _solve_served(ctx, "maxmin", weights, None, left(3 if mode == "goodput" else 2), gap)
+    mm = _solve_served(ctx, "maxmin", weights, None, left(), gap)
     t = _uniform(ctx, mm, weights)
+    stages.append(mm)
     notes = [f"stage 1 (max-min served fraction): t = {t:.6g}, {mm.out.status}, {mm.out.time_s:.3f} s"]
     source, scale, spent = mm, 1.0, mm.out.time_s
     if (mm.served >= 1 - 1e-9).all():
@@ -349,16 +400,17 @@ def allocate(
     elif mode == "scaled":
         scale = math.floor(t / scale_step + 1e-9) * scale_step
         if scale <= 0:
-            raise _explain(ctx, mm, weights, left(1), gap)
+            raise _explain(ctx, mm, weights, left(), gap)
         fraction, cost_weights = scale, None
         notes.append(f"demand scale {scale:.4g}")
     elif mode == "maxmin":
         if t <= 0:
-            raise _explain(ctx, mm, weights, left(1), gap)
+            raise _explain(ctx, mm, weights, left(), gap)
         fraction, cost_weights = t * (1 - 1e-9), weights
     else:
-        gp = _solve_served(ctx, "goodput", weights, fairness * t * weights, left(2), gap, prev=mm)
+        gp = _solve_served(ctx, "goodput", weights, fairness * t * weights, left(), gap, prev=mm)
         spent += gp.out.time_s
+        stages.append(gp)
         notes.append(f"stage 2 (SLO goodput, floor {fairness:g}·t per model): {_served_words(ctx, gp.served)}, "
                      f"{gp.out.status}, {gp.out.time_s:.3f} s")
         if gp.out.x is not None:
@@ -366,13 +418,15 @@ def allocate(
         # each model's phases at the lesser of their shares: a request needs both, more of one phase is waste
         least = {m: min(f for (mm, _p), f in zip(ctx.keys, source.served, strict=True) if mm == m) for m, _p in ctx.keys}
         fraction, cost_weights = np.array([least[m] for m, _p in ctx.keys]) * (1 - 1e-9), None
-    cost = _solve_cost(ctx, fraction, cost_weights, left(1), gap, prev=source)
+    cost = _solve_cost(ctx, fraction, cost_weights, left(), gap, prev=source)
     if cost.out.x is None:
         if source.out.x is None:
-            raise _explain(ctx, mm, weights, left(1), gap)
-        notes.append(f"cost stage found no plan in time ({cost.out.status}): the previous stage's plan is kept")
+            raise _explain(ctx, mm, weights, left(), gap)
+        notes.append(f"cost stage found no plan ({cost.out.status}): the previous stage's plan is kept")
+        stages.append(cost)
         cost = source
-    return _plan(ctx, cost.out, cost.layout, mode, _report(ctx, cost.out, spent, notes), method, scale=scale)
+    return _plan(ctx, cost.out, cost.layout, mode, _report(ctx, cost.out, spent, notes, tuple(stages)), method,
+                 scale=scale)
 
 
 def _explain(ctx: _Context, mm: _Stage | None, weights: np.ndarray, time_limit: float, gap: float

@@ -20,8 +20,10 @@ from coral.allocation.solver import Problem
 from coral.catalog.loader import Catalog, CoralInputError
 from coral.catalog.schema import Scenario
 from coral.perf.model import Phase
+from coral.templates.dominance import undominated
 from coral.templates.library import TemplateLibrary
 
+UNLIMITED = "unlimited"  # availability: no limit on any node config
 Availability = Mapping[str, Mapping[str, int]]
 Running = Mapping[tuple[int, str], int]
 GREEDY_PER_GROUP = 64
@@ -116,6 +118,18 @@ def key_rows(library: TemplateLibrary, model: str, phase: str, homogeneous: bool
     return library.memo(("key_rows", model, phase, homogeneous), make)
 
 
+def restricted_rows(library: TemplateLibrary, usable: np.ndarray, kept: np.ndarray, allowed: np.ndarray
+                    ) -> tuple[np.ndarray, np.ndarray]:
+    """(usable, undominated) rows of one key restricted to `allowed` template ids; the undominated set is
+    recomputed among them when the restriction removed some (a template dominated only by a removed one is
+    undominated again)."""
+    ok = np.isin(usable, allowed)
+    if ok.all():
+        return usable, kept
+    rows = usable[ok]
+    return rows, np.sort(rows[undominated(library.counts[rows], library.throughput[rows])])
+
+
 def make_columns(
     library: TemplateLibrary,
     keys: list[DemandKey],
@@ -126,11 +140,15 @@ def make_columns(
     reduce: bool = True,
     homogeneous: bool = False,
     classes: Mapping[int, KeyClasses] | None = None,
+    allowed: Mapping[int, np.ndarray] | None = None,
 ) -> Columns:
     """Columns for every key with positive demand. With `reduce`, dominated templates (see reductions) and
     columns that cannot be used once are dropped; running columns are always kept. `homogeneous` keeps only
-    single-config templates (the baselines). `classes`: keys planned with request classes (by key index)."""
+    single-config templates (the baselines). `classes`: keys planned with request classes (by key index).
+    `allowed`: per key index, the sorted template ids it may use (`coral.allocation.latency`; others are never
+    columns, running or not)."""
     classes = classes or {}
+    allowed = allowed or {}
     region_idx = {r: i for i, r in enumerate(market.regions)}
     run_pairs: dict[int, set[int]] = {}
     for (t, reg_name), _n in running.items():
@@ -143,13 +161,16 @@ def make_columns(
         if demand[k] <= 0:
             continue
         usable, kept = key_rows(library, model, str(phase_), homogeneous)
+        if k in allowed:
+            usable, kept = restricted_rows(library, usable, kept, allowed[k])
         if k in classes:
-            kept = classes[k].kept
+            kept = np.union1d(np.intersect1d(classes[k].kept, usable), kept)
         total += len(usable) * len(market.regions)
         rows = usable
         if reduce:
             ran = np.array(sorted(t for t in run_pairs if library.model[t] == model and library.phase[t] == phase_
                                   and library.throughput[t] > 0), dtype=np.int64)
+            ran = ran[np.isin(ran, usable)]
             rows = np.union1d(kept, ran) if len(ran) else kept
         cnt = library.counts[rows]
         for r in range(len(market.regions)):

@@ -11,7 +11,8 @@ Capacity to plan. A pool sized for the mean is full on average, so every burst q
 capacity planned for a (model, phase) is the mean × a *headroom* factor: by default the burst factor of the
 model's traffic at its SLO-attainment target (`coral.workload.burst`: the token rate the q-th percentile token
 sees over SLO-length windows, q = `slo_attainment`), computed on the scenario's own workload (its trace at its
-rate, the scenario's run length, seed 0: the requests the planner tunes on); or 1 / `target_utilization` of the
+rate, the scenario's run length, seed 0 of the tuning part of the trace, `TracePart` "tune": requests the
+planner tunes on, none of them held out); or 1 / `target_utilization` of the
 phase where the scenario sets one (an explicit override). `coral.planning` then corrects the factor per
 (model, phase) with the simulator in the loop.
 
@@ -29,7 +30,8 @@ from coral.workload.traces import workload_for
 
 DemandKey = tuple[str, Phase]
 
-#: seed of the workload the planner sizes and tunes on; other seeds are held out for scoring plans
+#: seed of the workload the planner sizes and tunes on, read from the tuning part of each trace ("tune"); plans are
+#: scored on the held-out part ("held_out"), whose requests no tuning seed reads (`workload_for`'s `part`)
 TUNING_SEED = 0
 
 
@@ -67,7 +69,7 @@ def model_burst(scenario: Scenario, sm: ScenarioModel) -> tuple[float, float]:
     key = f"{sm.model_dump_json()}|{scenario.trace_scaling}|{run_length_s(scenario)}"
     if key not in _BURST:
         one = scenario.model_copy(update={"models": [sm]})
-        requests = workload_for(one, run_length_s(scenario), TUNING_SEED)[sm.model]
+        requests = workload_for(one, run_length_s(scenario), TUNING_SEED, part="tune")[sm.model]
         _BURST[key] = burst_factors(requests, sm.prefill_slo_ms / 1e3, sm.decode_slo_ms / 1e3, sm.slo_attainment)
     return _BURST[key]
 

@@ -1,4 +1,9 @@
-"""A thin HiGHS wrapper: a sparse (column-wise) MILP in, status/objective/bound/gap/solution out."""
+"""A thin HiGHS wrapper: a sparse (column-wise) MILP in, status/objective/bound/gap/solution out.
+
+Deterministic: HiGHS runs with one thread and serial simplex, and stops on work limits (branch-and-bound nodes
+for a MIP, simplex iterations for an LP), so the same model gives the same answer on an idle or a loaded
+machine. The wall-clock `time_limit` is only a safety net: when it stops HiGHS the result says so
+(`MilpResult.safety_net`), since what it returns then depends on the machine's speed and load."""
 
 from __future__ import annotations
 
@@ -69,6 +74,28 @@ class MilpResult:
     n_cols: int
     n_rows: int
     row_dual: np.ndarray | None = None
+    safety_net: str | None = None  # words when the wall-clock time limit stopped HiGHS (else None)
+    nodes: int = 0  # branch-and-bound nodes HiGHS explored (0 for an LP)
+
+
+#: work limits (`solve`'s defaults): simplex iterations of an LP, branch-and-bound nodes of a MIP. Far above what
+#: the allocator's problems need (core and extended close in at most a few hundred nodes); they bound the work
+#: deterministically, where the time limit is a safety net only
+LP_ITERATIONS = 5_000_000
+MIP_NODES = 50_000
+TIME_LIMIT_STATUS = "Time limit reached"
+_threads_fixed: bool | None = None  # whether HiGHS's thread scheduler runs one thread (None: not known yet)
+
+
+def _single_threaded(h: highspy.Highs) -> None:
+    """One HiGHS thread and serial simplex. HiGHS's scheduler is global: once another solve in the process started
+    it with more threads, asking for one fails the run, so then only the serial simplex is set (HiGHS's MIP search
+    is deterministic for a given thread count)."""
+    h.setOptionValue("parallel", "off")
+    h.setOptionValue("simplex_strategy", 1)  # dual simplex, serial
+    h.setOptionValue("random_seed", 0)
+    if _threads_fixed is not False:
+        h.setOptionValue("threads", 1)
 
 
 def solve(
@@ -85,8 +112,12 @@ def solve(
     start: np.ndarray | None = None,
     cutoff: float | None = None,
     relax: bool = False,
+    max_nodes: int = MIP_NODES,
+    max_iterations: int = LP_ITERATIONS,
 ) -> MilpResult:
-    """Solve min/max cost·x over rows and bounds; the best incumbent is returned on a time limit. `relax` drops
+    """Solve min/max cost·x over rows and bounds; the best incumbent is returned when a limit stops the search:
+    the work limits `max_nodes` (branch-and-bound nodes) and `max_iterations` (simplex iterations of an LP), or
+    the wall-clock `time_limit`, a safety net whose hit is recorded in `safety_net`. `relax` drops
     integrality (then `row_dual` is filled). `start` is a feasible warm start of a minimisation, passed as an
     objective cutoff (HiGHS 1.16's setSolution returned the start vector with another solution's objective
     on large models here) and returned when nothing better exists. The MIP stops at relative gap `gap` or, when
@@ -109,9 +140,13 @@ def solve(
     lp.sense_ = highspy.ObjSense.kMaximize if maximise else highspy.ObjSense.kMinimize
     if not relax and integer.any():
         lp.integrality_ = [highspy.HighsVarType.kInteger if b else highspy.HighsVarType.kContinuous for b in integer]
+    global _threads_fixed
     h = quiet_highs()
     h.setOptionValue("output_flag", False)
+    _single_threaded(h)
     h.setOptionValue("time_limit", float(max(time_limit, 0.01)))
+    h.setOptionValue("mip_max_nodes", int(max(1, max_nodes)))
+    h.setOptionValue("simplex_iteration_limit", int(max(1, max_iterations)))
     h.setOptionValue("mip_rel_gap", float(gap))
     if abs_gap is not None:
         h.setOptionValue("mip_abs_gap", float(abs_gap))
@@ -121,22 +156,36 @@ def solve(
     if cutoff is not None and not relax:
         h.setOptionValue("objective_bound", float(cutoff))
     h.passModel(lp)
-    h.run()
+    ran = h.run()
+    if ran == highspy.HighsStatus.kError and h.getModelStatus() == highspy.HighsModelStatus.kNotset and \
+            _threads_fixed is not False:
+        _threads_fixed = False  # the scheduler already runs more threads (`_single_threaded`)
+        h.setOptionValue("threads", 0)
+        h.run()
+    elif _threads_fixed is None:
+        _threads_fixed = True
     status = h.modelStatusToString(h.getModelStatus())
+    if status == "Solution limit reached":  # what HiGHS calls a stop at `mip_max_nodes`
+        status = "Node limit reached"
+    mip = not relax and integer.any()
+    net = None
+    if status == TIME_LIMIT_STATUS:
+        net = (f"the wall-clock time limit ({time_limit:.3g} s) stopped HiGHS on a {'MIP' if mip else 'LP'} of {n} "
+               f"columns and {rows.n_rows} rows")
     status = "Optimal" if status == "Empty" else status  # no columns or rows: the zero point is optimal
     info = h.getInfo()
     solution = h.getSolution()
     has_x = bool(solution.value_valid) and info.primal_solution_status == 2
     x = np.array(solution.col_value) if has_x else None
-    mip = not relax and integer.any()
     objective = float(info.objective_function_value) if has_x else None
     bound = float(info.mip_dual_bound) if mip else objective
     mip_gap = float(info.mip_gap) if mip and has_x else (0.0 if has_x else None)
     duals = np.array(solution.row_dual) if relax and solution.dual_valid else None
     if x is None and start is not None:
-        # nothing better than the warm start exists (infeasible under the cutoff) or was found in time
+        # nothing better than the warm start exists (infeasible under the cutoff) or was found within the limits
         x, objective = np.asarray(start, dtype=float), start_obj
         bound = start_obj if status == "Infeasible" else min(float(info.mip_dual_bound), start_obj or 0.0)
         status = "Optimal" if status == "Infeasible" else status
         mip_gap = max(0.0, ((objective or 0.0) - (bound or 0.0)) / max(abs(objective or 0.0), 1e-9))
-    return MilpResult(status, x, objective, bound, mip_gap, time.perf_counter() - t0, n, rows.n_rows, duals)
+    return MilpResult(status, x, objective, bound, mip_gap, time.perf_counter() - t0, n, rows.n_rows, duals, net,
+                      int(info.mip_node_count) if mip else 0)

@@ -134,6 +134,12 @@ class SloCheck(_PlanModel):
     duration_s: float = Field(gt=0, description="simulated seconds per request set")
     verdict: dict[str, str] = Field(default_factory=dict,
                                     description="per model: 'pass', or 'fail: ' and why, with what would meet it")
+    safety_net: str | None = Field(
+        default=None, description="what the search's wall-clock safety net stopped (None: it ran on its round budget "
+        "alone, so the same inputs give the same plan on any machine and load)")
+    notes: list[str] = Field(default_factory=list,
+                             description="what the search says of its result, e.g. that the chosen plan missed a "
+                             "target on the tuning requests (no round met every one)")
 
     def passed(self, model: str) -> bool:
         return self.verdict.get(model, "").startswith("pass")
@@ -148,6 +154,10 @@ class SolveReport(_PlanModel):
     n_variables: int = 0
     n_constraints: int = 0
     notes: list[str] = Field(default_factory=list)
+    safety_net: str | None = Field(
+        default=None, description="what the wall-clock time limit, a safety net only, stopped (None: nothing; the "
+        "solves stop on deterministic work limits, so the same inputs give the same plan on any machine and load, "
+        "unless this is set)")
 
 
 def class_weight(weight: float, per_class: dict[str, float] | None, request_class: str | None) -> float:

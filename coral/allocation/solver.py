@@ -23,6 +23,11 @@ Reduced-cost fixing (lossless). For any multipliers y of the rows with the right
 r = c − Aᵀy, every feasible x satisfies c·x ≥ z(y) + Σ_{r_j>0} r_j x_j with z(y) = Σ_i y_i b_i + Σ_{r_j<0} r_j u_j.
 Hence a column with z(y) + r_j > UB (UB = any incumbent's objective) is zero in every solution at least as good
 as the incumbent, and dropping it keeps the optimum. y comes from the LP relaxation solved by column generation.
+
+Deterministic. Every decision of the pipeline rests on counts (cut rounds, columns, branch-and-bound nodes per
+MIP, `milp`'s simplex iteration limit), never on the clock, so the same problem gives the same plan on an idle or
+a loaded machine. The `time_limit` of a call is a wall-clock safety net only: every HiGHS solve in it gets what
+is left of it, and when it stops one, `Outcome.safety_net` says where (the answer then depends on the machine).
 """
 
 from __future__ import annotations
@@ -99,6 +104,19 @@ class Outcome:
     notes: list[str] = field(default_factory=list)
     lp_bound: float | None = None
     row_dual: np.ndarray | None = None
+    safety_net: str | None = None  # words when the wall-clock time limit stopped a solve (the answer then depends
+    # on the machine's speed and load); None: every limit that stopped a solve was a deterministic one
+
+
+def _nets(*nets: str | None) -> str | None:
+    """Safety-net hits joined in words (each once), None when there are none."""
+    seen = list(dict.fromkeys(n for part in nets if part for n in part.split("; ")))
+    return "; ".join(seen) or None
+
+
+def _left(deadline: float) -> float:
+    """Seconds left before `deadline` (the safety net of the whole call), at least 0.05."""
+    return max(0.05, deadline - time.perf_counter())
 
 
 Rounder = Callable[[np.ndarray], np.ndarray | None]  # LP point -> feasible point (or None)
@@ -108,8 +126,15 @@ PRICE_BATCH = 400
 CUT_ROUNDS = 12  # 0 disables the cutting-plane rounds (benchmarks compare)
 CUT_MULTIPLES = (1, 2, 3)
 SEPARATE = True  # False skips the separate optima of the parts (benchmarks compare)
-FULL_MIP_COLUMNS = 12_000  # short of time, the final MIP keeps this many columns of least reduced cost
-MIP_S_PER_COLUMN = 2e-4  # seconds per column below which the time left counts as short
+FULL_MIP_COLUMNS = 12_000  # a final MIP estimated to set up in over PARTIAL_S keeps this many columns
+MIP_S_PER_COLUMN = 2e-4  # HiGHS's set-up seconds per column of a large MIP on 2 cores: a fixed estimate, not measured
+PARTIAL_S = 20.0  # estimated set-up seconds above which the final MIP is restricted (100,000 columns)
+# work limits in branch-and-bound nodes (deterministic; the time limit is a safety net only). The allocator's
+# problems close in far fewer: core and extended, every mode, in at most a few hundred per MIP
+RESTRICTED_NODES = 2_000  # the incumbent's MIP on the restricted column set
+FINAL_NODES = milp.MIP_NODES  # the final MIP, and `one_mip`
+SEPARATE_NODES = (2_000, milp.MIP_NODES)  # each part's MIPs in separate_optima: first pass, then the parts that
+# did not close their gap in it, from their incumbents
 
 
 def _seed(p: Problem, start: np.ndarray | None) -> np.ndarray:
@@ -129,17 +154,25 @@ def _seed(p: Problem, start: np.ndarray | None) -> np.ndarray:
     return np.flatnonzero(sel)
 
 
-def _lp(p: Problem, cols: np.ndarray, time_limit: float) -> tuple[milp.MilpResult, np.ndarray, np.ndarray]:
+def _lp(p: Problem, cols: np.ndarray, time_limit: float, nets: list[str] | None = None
+        ) -> tuple[milp.MilpResult, np.ndarray, np.ndarray]:
     """LP over all columns by column generation from `cols`; returns the LP, its columns and row duals. When
     the restricted LP is infeasible (its columns cannot cover a row that others could), `_phase_one` first
     prices in columns until it is feasible; when no column set is, the LP is infeasible and the duals are
-    phase one's (positive on the rows that cannot be covered, negative on the rows that bind them)."""
+    phase one's (positive on the rows that cannot be covered, negative on the rows that bind them). An LP that
+    a limit stopped (not optimal, not infeasible) is returned without a point (`x` None). `time_limit` is the
+    safety net of all its LPs together; its hits are appended to `nets`."""
     cols = np.sort(cols)
+    deadline = time.perf_counter() + time_limit
     while True:
         res = milp.solve(p.cost[cols], np.zeros(len(cols)), p.upper[cols], p.integer[cols], p.rows(cols),
-                         time_limit=time_limit, relax=True)
+                         time_limit=_left(deadline), relax=True)
+        if res.safety_net and nets is not None:
+            nets.append(res.safety_net)
+        if res.status not in ("Optimal", "Infeasible"):
+            res.x, res.row_dual = None, None
         if res.status == "Infeasible":
-            grown, y = _phase_one(p, cols, time_limit)
+            grown, y = _phase_one(p, cols, _left(deadline), nets)
             if y is not None or len(grown) == len(cols):
                 return res, grown, np.zeros(len(p.row_lower)) if y is None else y
             cols = grown
@@ -157,12 +190,15 @@ def _lp(p: Problem, cols: np.ndarray, time_limit: float) -> tuple[milp.MilpResul
         cols = np.union1d(cols, add)
 
 
-def _phase_one(p: Problem, cols: np.ndarray, time_limit: float) -> tuple[np.ndarray, np.ndarray | None]:
+def _phase_one(p: Problem, cols: np.ndarray, time_limit: float, nets: list[str] | None = None
+               ) -> tuple[np.ndarray, np.ndarray | None]:
     """Column generation on the phase-one LP: min Σ_i s_i / scale_i with a slack s_i on every row that x = 0
     violates (lower > 0 or upper < 0), all other costs zero. Every restricted phase-one LP is feasible by
     construction. Returns (columns, None) once the slacks reach zero (the restricted LP over those columns is
     feasible), or (columns, row duals) when no column prices out and a slack stays positive: then no x in the
-    bounds meets the rows, i.e. the LP over all columns is infeasible (the duals are a Farkas certificate)."""
+    bounds meets the rows, i.e. the LP over all columns is infeasible (the duals are a Farkas certificate).
+    `time_limit`: the safety net of all its LPs together (hits appended to `nets`)."""
+    deadline = time.perf_counter() + time_limit
     low_bad = np.isfinite(p.row_lower) & (p.row_lower > 0)
     high_bad = np.isfinite(p.row_upper) & (p.row_upper < 0)
     bad = np.flatnonzero(low_bad | high_bad)
@@ -179,8 +215,10 @@ def _phase_one(p: Problem, cols: np.ndarray, time_limit: float) -> tuple[np.ndar
         n = len(cols) + len(bad)
         upper = np.concatenate([p.upper[cols], np.full(len(bad), np.inf)])
         res = milp.solve(np.concatenate([np.zeros(len(cols)), 1.0 / scale]), np.zeros(n), upper,
-                         np.zeros(n, dtype=bool), slack, time_limit=time_limit, relax=True)
-        if res.x is None or res.row_dual is None:
+                         np.zeros(n, dtype=bool), slack, time_limit=_left(deadline), relax=True)
+        if res.safety_net and nets is not None:
+            nets.append(res.safety_net)
+        if res.x is None or res.row_dual is None or res.status != "Optimal":
             return cols, np.zeros(len(p.row_lower))
         if (res.x[len(cols):] <= 1e-9 * scale).all():
             return cols, None
@@ -336,13 +374,15 @@ def solve(
     reduce: bool = True,
     rounder: Rounder | None = None,
 ) -> Outcome:
-    """Solve `p` to `gap` within `time_limit` (best incumbent on timeout). `start` is a feasible warm start;
+    """Solve `p` to `gap` within the work limits (module doc; best incumbent when one stops a MIP), with
+    `time_limit` (s, for the whole call) as the wall-clock safety net. `start` is a feasible warm start;
     `rounder` a problem-specific heuristic turning an LP point into a feasible point (tried when `p` is solved
     as one block). With `reduce`, independent blocks (no shared row, e.g. models that share no scarce config)
     are solved separately, each with the reductions of `solve_block`."""
     if not reduce:
         return one_mip(p, time_limit=time_limit, gap=gap, start=start, note="reductions off")
     t0 = time.perf_counter()
+    deadline = t0 + time_limit
     label = components(p)
     blocks = [np.flatnonzero(label == v) for v in np.unique(label)]
     rowless = [b for b in blocks if not np.isin(b, p.entry_col).any()]
@@ -352,16 +392,17 @@ def solve(
     x = np.zeros(p.n)
     y = np.zeros(len(p.row_lower))
     objective, bound, lp_bound, statuses, n_cols, n_rows = 0.0, 0.0, 0.0, [], 0, 0
-    for i, b in enumerate(blocks):
+    nets: list[str | None] = []
+    for b in blocks:
         sub, rows = subproblem(p, b)
-        out = solve_block(sub, time_limit=_slice(time_limit - (time.perf_counter() - t0), len(blocks) - i), gap=gap,
-                          start=None if start is None else start[b])
+        out = solve_block(sub, time_limit=_left(deadline), gap=gap, start=None if start is None else start[b])
         statuses.append(out.status)
+        nets.append(out.safety_net)
         if out.row_dual is not None:
             y[rows] = out.row_dual
         if out.x is None:
             return Outcome(out.status, None, None, None, None, time.perf_counter() - t0, p.n, len(p.row_lower),
-                           out.notes, row_dual=y)
+                           out.notes, row_dual=y, safety_net=_nets(*nets))
         x[b] = out.x
         objective += out.objective or 0.0
         bound += out.bound if out.bound is not None else -np.inf
@@ -376,21 +417,23 @@ def solve(
     g = max(0.0, (objective - bound) / max(abs(objective), 1e-9)) if objective else 0.0
     return Outcome(worst, x, objective, bound, g, time.perf_counter() - t0, n_cols, n_rows,
                    [f"{len(blocks)} independent blocks", f"LP bound {lp_bound:.6g}"], lp_bound=lp_bound,
-                   row_dual=y)
+                   row_dual=y, safety_net=_nets(*nets))
 
 
 def one_mip(p: Problem, *, time_limit: float, gap: float, start: np.ndarray | None, note: str) -> Outcome:
-    """`p` handed to HiGHS whole (its real columns, no LP pipeline), warm-started from `start`."""
+    """`p` handed to HiGHS whole (its real columns, no LP pipeline), warm-started from `start`; it stops at
+    FINAL_NODES nodes (`time_limit`: the safety net)."""
     t0 = time.perf_counter()
     real = np.flatnonzero(~p.artificial)
     res = milp.solve(p.cost[real], np.zeros(len(real)), p.upper[real], p.integer[real], p.rows(real),
-                     time_limit=time_limit, gap=gap, start=None if start is None else start[real])
+                     time_limit=time_limit, gap=gap, start=None if start is None else start[real],
+                     max_nodes=FINAL_NODES)
     full = None
     if res.x is not None:
         full = np.zeros(p.n)
         full[real] = res.x
     return Outcome(res.status, full, res.objective, res.bound, res.gap, time.perf_counter() - t0,
-                   res.n_cols, res.n_rows, [note])
+                   res.n_cols, res.n_rows, [note], safety_net=res.safety_net)
 
 
 @dataclass
@@ -403,18 +446,22 @@ class SeparateOptima:
     statuses: list[str]
     n_cols: int
     n_initial: int  # parts before merging
+    safety_net: str | None = None  # the wall-clock safety net stopped a part's solve (`Outcome.safety_net`)
 
 
 def separate_optima(p: Problem, *, time_limit: float, gap: float, start: np.ndarray | None) -> SeparateOptima | None:
     """Solve every part of `p` that only packing rows tie to the others (e.g. one demand key) on its own; parts
     whose optima overflow a shared row together are merged and solved jointly, until the optima fit or one part
-    is left. None when `p` has a single part or a part has no solution with a bound."""
+    is left. None when `p` has a single part or a part has no solution with a bound. Work by need: a first
+    pass gives every part's MIPs SEPARATE_NODES[0] nodes, the parts that did not close their gap in it go on from
+    their incumbents with SEPARATE_NODES[1]; `time_limit` (s, all parts together) is the safety net."""
     label = components(p, ignore=packing_rows(p))
     parts = [np.flatnonzero(label == v) for v in np.unique(label)]
     if len(parts) < 2:
         return None
     n_initial = len(parts)
-    t0 = time.perf_counter()
+    deadline = time.perf_counter() + time_limit
+    nets: list[str | None] = []
     x = np.zeros(p.n)
     bounds = np.zeros(len(parts))
     statuses = [""] * len(parts)
@@ -422,17 +469,15 @@ def separate_optima(p: Problem, *, time_limit: float, gap: float, start: np.ndar
     todo = list(range(len(parts)))
     abs_gap: float | None = None
     while todo:
-        # time by need: a first pass gives every part an even share of half the time left; the parts that did
-        # not close their gap in it go on from their incumbents with what is left, shared evenly
         for again in (False, True):
             pending = [i for i in todo if not again or statuses[i] != "Optimal"]
-            for pos, i in enumerate(pending):
+            for i in pending:
                 cols = parts[i]
                 sub, _rows = subproblem(p, cols)
-                left = (time_limit - (time.perf_counter() - t0)) * (1.0 if again else 0.5)
                 warm = x[cols] if again else None if start is None else start[cols]
-                out = solve_block(sub, time_limit=_slice(left, len(pending) - pos), gap=gap, separate=False,
-                                  start=warm, abs_gap=abs_gap)
+                out = solve_block(sub, time_limit=_left(deadline), gap=gap, separate=False, start=warm,
+                                  abs_gap=abs_gap, nodes=SEPARATE_NODES[again])
+                nets.append(out.safety_net)
                 if out.x is None or out.bound is None or not np.isfinite(out.bound):
                     return None
                 x[cols] = out.x
@@ -455,13 +500,7 @@ def separate_optima(p: Problem, *, time_limit: float, gap: float, start: np.ndar
         statuses = [statuses[i] for i in keep] + [""]
         todo = [len(parts) - 1]
         abs_gap = gap_budget(p.cost, x, parts, bounds, gap)
-    return SeparateOptima(parts, x, bounds, statuses, n_cols, n_initial)
-
-
-def _slice(left: float, n_left: int) -> float:
-    """One of `n_left` parts' even share of the time `left` (a part that finishes early leaves its unused time to
-    the parts after it)."""
-    return max(0.05, left / max(n_left, 1))
+    return SeparateOptima(parts, x, bounds, statuses, n_cols, n_initial, _nets(*nets))
 
 
 def gap_budget(cost: np.ndarray, x: np.ndarray, parts: list[np.ndarray], bounds: np.ndarray, gap: float) -> float:
@@ -488,40 +527,48 @@ def solve_block(
     separate: bool = True,
     abs_gap: float | None = None,
     rounder: Rounder | None = None,
+    nodes: int = FINAL_NODES,
 ) -> Outcome:
     """Solve one block: the separate optima of its parts (the answer when they fit together, a bound otherwise),
     LP by column generation, incumbent on a restricted set (the better of `start`, the `rounder`'s point from
     the LP optimum and the repaired LP point), reduced-cost fixing, MIP. The MIPs stop at relative gap `gap` or
-    absolute gap `abs_gap` (when given), whichever comes first."""
+    absolute gap `abs_gap` (when given), whichever comes first, or at their work limit (the final MIP at `nodes`
+    nodes, the restricted one at RESTRICTED_NODES); `time_limit` (s, the whole block) is the safety net."""
     t0 = time.perf_counter()
+    deadline = t0 + time_limit
     notes: list[str] = []
+    nets: list[str] = []
     separate_bound = -np.inf
     if start is not None and p.violation(start) > 1e-9:
         start = None
     if reduce and separate and SEPARATE:
-        sep = separate_optima(p, time_limit=0.5 * time_limit, gap=gap, start=start)
+        sep = separate_optima(p, time_limit=time_limit, gap=gap, start=start)
         if sep is not None:
+            if sep.safety_net:
+                nets.append(sep.safety_net)
             sep_objective = float(p.cost @ sep.x)
             sep_bound = float(sep.bounds.sum())
             g = max(0.0, (sep_objective - sep_bound) / max(abs(sep_objective), 1e-9)) if sep_objective else 0.0
             fits = p.violation(sep.x) <= 1e-9
-            if fits and (g <= gap or time.perf_counter() - t0 > 0.8 * time_limit):
+            if fits and (g <= gap or sep.safety_net):  # out of time (the safety net): the parts' plan is kept
                 worst = next((st for st in sep.statuses if st != "Optimal"), "Optimal")
                 return Outcome(worst, sep.x, sep_objective, sep_bound, g, time.perf_counter() - t0, sep.n_cols,
                                len(p.row_lower), [f"{sep.n_initial} parts solved separately ({len(sep.parts)} after "
                                                   f"merging) fit the shared rows together (bound {sep_bound:.6g})"],
-                               lp_bound=sep_bound)
+                               lp_bound=sep_bound, safety_net=sep.safety_net)
             separate_bound = sep_bound
-            if fits:  # within the time but not the gap: the parts' plan is the warm start of the full solve
+            if fits:  # within the work limits but not the gap: the parts' plan is the warm start of the full solve
                 start = sep.x
             notes.append(f"{sep.n_initial} parts solved separately {'fit short of the gap' if fits else 'overflow'} "
                          f"shared rows (bound {sep_bound:.6g})")
     if not reduce:
-        return one_mip(p, time_limit=time_limit, gap=gap, start=start, note="reductions off")
+        out = one_mip(p, time_limit=_left(deadline), gap=gap, start=start, note="reductions off")
+        out.safety_net = _nets(*nets, out.safety_net)
+        return out
     n_rows = len(p.row_lower)
-    lp, lp_cols, y = _lp(p, _seed(p, start), time_limit)
-    for _ in range(CUT_ROUNDS):  # tighten the LP bound with rounding cuts at the LP optimum (a third of the time)
-        if lp.x is None or time.perf_counter() - t0 > time_limit / 3:
+    lp, lp_cols, y = _lp(p, _seed(p, start), _left(deadline), nets)
+    for _ in range(CUT_ROUNDS):  # tighten the LP bound with rounding cuts at the LP optimum (CUT_ROUNDS at most)
+        if lp.x is None:
             break
         lp_x = np.zeros(p.n)
         lp_x[lp_cols] = lp.x
@@ -529,18 +576,20 @@ def solve_block(
         if cut is None:
             break
         p = cut
-        lp, lp_cols, y = _lp(p, lp_cols, time_limit)
+        lp, lp_cols, y = _lp(p, lp_cols, _left(deadline), nets)
     if lp.x is None:
-        kept = start if lp.status != "Infeasible" else None  # out of time: the warm start is the incumbent
-        return Outcome(lp.status if kept is None else "Time limit reached (incumbent)", kept,
+        kept = start if lp.status != "Infeasible" else None  # stopped by a limit: the warm start is the incumbent
+        return Outcome(lp.status if kept is None else f"{lp.status} (incumbent)", kept,
                        None if kept is None else float(p.cost @ kept), None, None, time.perf_counter() - t0, p.n,
-                       len(p.row_lower), [f"LP relaxation: {lp.status}"], row_dual=y[:n_rows])
+                       len(p.row_lower), [f"LP relaxation: {lp.status}"], row_dual=y[:n_rows],
+                       safety_net=_nets(*nets))
     lp_x = np.zeros(p.n)
     lp_x[lp_cols] = lp.x
     shortfall = float(lp_x[p.artificial].sum())
     if shortfall > 1e-6:
         return Outcome("Infeasible", None, None, None, None, time.perf_counter() - t0, p.n, len(p.row_lower),
-                       [f"LP relaxation short of demand by {shortfall:.6g} tokens/s"], row_dual=y[:n_rows])
+                       [f"LP relaxation short of demand by {shortfall:.6g} tokens/s"], row_dual=y[:n_rows],
+                       safety_net=_nets(*nets))
     rc = p.reduced_costs(y)
     z = p.lagrangian_bound(y, rc)
     notes.append(f"LP bound {z:.6g} over {p.n} columns ({len(lp_cols)} generated)")
@@ -556,10 +605,11 @@ def solve_block(
     restricted = np.setdiff1d(np.union1d(lp_cols, np.flatnonzero(lp_x > 1e-9)), np.flatnonzero(p.artificial))
     if start is not None:
         restricted = np.union1d(restricted, np.flatnonzero(start > 0))
-    spent = time.perf_counter() - t0
     sub = milp.solve(p.cost[restricted], np.zeros(len(restricted)), p.upper[restricted], p.integer[restricted],
-                     p.rows(restricted), time_limit=max(0.05, 0.3 * (time_limit - spent)), gap=gap, abs_gap=abs_gap,
-                     start=None if incumbent is None else incumbent[restricted])
+                     p.rows(restricted), time_limit=_left(deadline), gap=gap, abs_gap=abs_gap,
+                     start=None if incumbent is None else incumbent[restricted], max_nodes=min(nodes, RESTRICTED_NODES))
+    if sub.safety_net:
+        nets.append(sub.safety_net)
     if sub.x is not None and sub.objective is not None and sub.objective < ub:
         incumbent = np.zeros(p.n)
         incumbent[restricted] = np.round(np.where(p.integer[restricted], sub.x, 0.0)) + np.where(
@@ -575,9 +625,10 @@ def solve_block(
     alive &= ~p.artificial
     cols = np.flatnonzero(alive)
     notes.append(f"reduced-cost fixing kept {len(cols)} of {p.n} columns (incumbent {ub:.6g})")
-    # HiGHS overruns a short limit on a large MIP (set-up before it checks the clock): with less time left than
-    # MIP_S_PER_COLUMN per column, the final MIP keeps the FULL_MIP_COLUMNS columns of least reduced cost
-    partial = len(cols) > FULL_MIP_COLUMNS and time_limit - (time.perf_counter() - t0) < MIP_S_PER_COLUMN * len(cols)
+    # HiGHS's set-up alone takes long on a very large MIP: when its estimate (MIP_S_PER_COLUMN per column) passes
+    # PARTIAL_S, the final MIP keeps the FULL_MIP_COLUMNS columns of least reduced cost (decided on the column
+    # count, never on the clock, so that the plan does not depend on the machine)
+    partial = len(cols) > FULL_MIP_COLUMNS and MIP_S_PER_COLUMN * len(cols) > PARTIAL_S
     if partial:
         must = p.protected[cols] | (np.zeros(len(cols), dtype=bool) if incumbent is None else incumbent[cols] > 0)
         cols = np.union1d(cols[must], cols[np.argsort(rc[cols], kind="stable")[:FULL_MIP_COLUMNS]])
@@ -589,10 +640,11 @@ def solve_block(
             sel[p.parent[share & sel]] = True
             cols = np.flatnonzero(sel)
         notes.append(f"final MIP on the {len(cols)} columns of least reduced cost (its bound is not the problem's)")
-    spent = time.perf_counter() - t0
     res = milp.solve(p.cost[cols], np.zeros(len(cols)), p.upper[cols], p.integer[cols], p.rows(cols),
-                     time_limit=max(0.05, time_limit - spent), gap=gap, abs_gap=abs_gap,
-                     start=None if incumbent is None else incumbent[cols])
+                     time_limit=_left(deadline), gap=gap, abs_gap=abs_gap,
+                     start=None if incumbent is None else incumbent[cols], max_nodes=nodes)
+    if res.safety_net:
+        nets.append(res.safety_net)
     x = None
     if res.x is not None:
         x = np.zeros(p.n)
@@ -605,7 +657,8 @@ def solve_block(
     gap_out = None
     if objective is not None:
         gap_out = max(0.0, (objective - bound) / max(abs(objective), 1e-9)) if objective else 0.0
-    status = res.status if res.x is not None or x is None else "Time limit reached (incumbent)"
+    status = res.status if res.x is not None or x is None else f"{res.status} (incumbent)"
     notes.append(f"{len(p.row_lower) - n_rows} rounding cuts")
+    notes.append(f"final MIP: {res.nodes} branch-and-bound nodes (limit {nodes})")
     return Outcome(status, x, objective, bound, gap_out, time.perf_counter() - t0, len(cols), res.n_rows,
-                   notes, lp_bound=z, row_dual=y[:n_rows])
+                   notes, lp_bound=z, row_dual=y[:n_rows], safety_net=_nets(*nets))

@@ -60,6 +60,9 @@ class NodeOffering(_Strict):
     nic_gbps: float = Field(gt=0, description="node network bandwidth, Gbit/s")
     price_date: str
     source: str
+    available: int | None = Field(
+        default=None, ge=0, description="nodes of this instance type the region can rent (a scenario with "
+        "`availability: market` plans within it); unset: as many as asked")
 
     @property
     def config(self) -> str:
@@ -269,8 +272,10 @@ class Scenario(_Strict):
         "market for this scenario: prices, instance types, regions; relative to the scenario file")
     configs: list[str] = Field(min_length=1, description="node configs, e.g. '2xL40S'")
     models: list[ScenarioModel] = Field(min_length=1)
-    availability: dict[str, dict[str, int]] | AvailabilityHeadroom = Field(
-        description="explicit node counts per region and config, or a headroom rule"
+    availability: dict[str, dict[str, int]] | AvailabilityHeadroom | Literal["market", "unlimited"] = Field(
+        description="explicit node counts per region and config; 'market': the offerings' `available` counts "
+        "(an offering without one: unlimited); 'unlimited'; or a headroom rule (derived from the cheapest "
+        "unlimited Coral plan, so it favours Coral's shapes: for experiments)"
     )
     availability_schedule: AvailabilitySchedule | None = Field(
         default=None, description="availability over simulated time; overrides `availability` from each step on"

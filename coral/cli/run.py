@@ -18,6 +18,7 @@ from coral.cli.common import (
     ENGINE_HELP,
     JSON_HELP,
     OFFERINGS_HELP,
+    err_console,
     friendly_errors,
     out_console,
     print_json,
@@ -26,10 +27,12 @@ from coral.cli.deploy import TARGET_HELP
 
 if TYPE_CHECKING:
     from coral.allocation.plan import Plan
-    from coral.planning.slo_search import Attainment, Evaluator
+    from coral.planning.slo_search import Attainment, Evaluator, SearchResult
 
 #: seconds before an instance a re-plan starts serves (the simulator's default)
 STARTUP_DELAY_S = 300.0
+#: exit code of a run whose Coral plan missed a target (on its tuning or held-out requests), without --allow-miss
+MISSED_EXIT_CODE = 3
 
 
 def register(app: typer.Typer) -> None:
@@ -43,8 +46,14 @@ def run_cmd(
     duration: float | None = typer.Option(None, help="simulated seconds per request set (default: epochs x "
                                            "epoch length)"),
     engine: str = typer.Option("coral", help=ENGINE_HELP),
-    budget: float | None = typer.Option(None, help="seconds each method's SLO search may take, checked between "
-                                        "rounds (default: 120 for 3 models, growing with their square: 480 for extended)"),
+    rounds: int | None = typer.Option(None, min=1, help="rounds each method's SLO search may take, its budget "
+                                      "(default: 14 for 3 models, one more per model beyond: 17 for extended)"),
+    budget: float | None = typer.Option(None, help="wall-clock safety net of each method's SLO search, s, checked "
+                                        "between rounds: the search's budget is --rounds, so a plan does not depend "
+                                        "on the machine's load unless this stops it, which the run reports (default: "
+                                        "480 for 3 models, growing with their square: 1920 for extended)"),
+    allow_miss: bool = typer.Option(False, "--allow-miss", help=f"exit 0 even when Coral's plan misses a target "
+                                    f"(default: exit {MISSED_EXIT_CODE})"),
     baselines: str = typer.Option(
         "searched", help="searched: each baseline gets its own SLO search (equal attainment) | same-headroom: "
         "baselines planned once with Coral's headroom (faster, unequal attainment) | none"),
@@ -55,7 +64,9 @@ def run_cmd(
     """Build (or load) the template library; find with the simulator in the loop the cheapest Coral plan (and
     baseline plans) meeting every model's SLO-attainment target on the tuning requests; score each on held-out
     requests, simulate Coral re-planning every epoch, give a verdict per model, and write plans, simulation
-    results and an HTML report."""
+    results and an HTML report. When Coral's plan misses a target (no search round met every one on the tuning
+    requests, or a model fails on held-out ones) the run says so on stderr and in summary.json and the plan,
+    and exits 3 unless --allow-miss; a wall-clock safety net that stopped a search or a solve is reported too."""
     from coral.allocation import baselines as base
     from coral.allocation.allocator import allocate
     from coral.allocation.availability import resolve_availability
@@ -88,29 +99,39 @@ def run_cmd(
     t_lib = time.perf_counter()
     console.print(f"library: {len(lib):,} templates for {len(lib.keys())} (model, phase) pairs")
     avail = resolve_availability(sc, lib, cat)
-    settings = SearchSettings(duration_s=duration, time_budget_s=budget)
+    settings = SearchSettings(duration_s=duration, max_rounds=rounds, time_budget_s=budget)
     # one evaluator for every method: each seed's requests are made once, and a plan two searches share is
     # simulated once
-    evaluate = simulator_evaluator(sc, settings.duration_s or run_length_s(sc), cat)
+    evaluate = simulator_evaluator(sc, settings.duration_s or run_length_s(sc), cat, settings.held_out_seeds)
     methods = {"coral": allocate, "homo-greedy": base.homo_greedy, "cauchy-paper": base.cauchy_paper}
     if baselines == "none":
         methods = {"coral": methods["coral"]}
     plans = {}
+    results: dict[str, SearchResult] = {}
     for name, method in methods.items():
         if name != "coral" and baselines == "same-headroom":
             continue
         with console.status(f"{name}: searching for the cheapest plan meeting every SLO target") as status:
             watch = SearchStatus(name, status, console, evaluate)
+            # Coral's search first runs the homogeneous ILP's own rounds: its plan is never dearer than that one's
+            subset = allocator_planner(lib, sc, avail, cat, method=base.homo_ilp) if name == "coral" else None
             result = search_plan(allocator_planner(lib, sc, avail, cat, method=method), sc, settings,
-                                 catalog=cat, evaluate=watch.evaluate, progress=watch.show)
+                                 catalog=cat, evaluate=watch.evaluate, progress=watch.show, subset=subset)
         if result.plan is None:
             raise CoralInputError(f"{name}: no plan in any round of the search: "
                                   + "; ".join(r.note for r in result.rounds if r.note))
         result.plan.method = name
         plans[name] = result.plan
+        results[name] = result
         console.print(f"{name}: {len(result.rounds)} rounds in {result.wall_s:.0f} s -> "
                       f"${result.plan.cost_per_hour:,.2f}/h")
     plan = plans["coral"]
+    misses = coral_misses(results["coral"])
+    nets = {name: r.safety_net for name, r in results.items() if r.safety_net}
+    for line in misses:
+        err_console.print(f"[bold red]coral missed a target:[/] {line}")
+    for name, net in nets.items():
+        err_console.print(f"[yellow]safety net:[/] {name}'s search depends on this machine's speed and load: {net}")
     plan.engine = engine  # type: ignore[assignment]  # checked by engine_library
     plan.target = target  # type: ignore[assignment]  # checked by engine_library
     assert plan.slo is not None
@@ -133,7 +154,7 @@ def run_cmd(
         p.save(folder / f"plan.{p.mode}.{p.method}.json")
 
     seed = plan.slo.held_out_seeds[0] if plan.slo.held_out_seeds else settings.tune_seeds[0]
-    requests = workload_for(sc, duration_s, seed)
+    requests = workload_for(sc, duration_s, seed, part="held_out" if plan.slo.held_out_seeds else "tune")
     replanner = allocator_replanner(lib, sc, catalog=cat, headroom=room, initial=plan, forecaster=DemandForecaster(60.0),
                                     correction=LatencyCorrection.for_scenario(sc), ahead_s=STARTUP_DELAY_S,
                                     hold=0.25)
@@ -189,6 +210,9 @@ def run_cmd(
         "fixed_plan_slo_attainment": {r.method: r.slo_attainment for r in fixed},
         "fixed_plan_cost_per_hour": {r.method: r.cost_per_hour for r in fixed},
         "wall_s": time.perf_counter() - t_start,
+        "missed": misses,  # Coral's plan: why it is not one that met every target (empty: it met them all)
+        "safety_net": nets,  # per method whose search (or a solve in it) a wall-clock safety net stopped
+        "rounds": {name: len(r.rounds) for name, r in results.items()},
     }
     (folder / "summary.json").write_text(json.dumps(summary, indent=2))
     met = all(plan.slo.passed(m) for m in plan.slo.target)
@@ -203,6 +227,28 @@ def run_cmd(
                   f"{folder}")
     if as_json:
         print_json({**summary, "folder": str(folder), "report": str(report)})
+    if misses:
+        err_console.print(f"[bold red]Coral's plan missed a target[/] ({len(misses)}: see above and summary.json)"
+                          + ("; --allow-miss: exit 0" if allow_miss else f"; exit {MISSED_EXIT_CODE} (--allow-miss "
+                                                                          "to accept it)"))
+        if not allow_miss:
+            raise typer.Exit(code=MISSED_EXIT_CODE)
+
+
+def coral_misses(result: SearchResult) -> list[str]:
+    """Why the plan `result` chose is not one that met every target, in words (empty when it met them all: a
+    round passed on the tuning requests and every model passes on held-out ones); also noted in its plan."""
+    plan = result.plan
+    if plan is None or plan.slo is None:
+        return ["no plan"]
+    out = [n for n in plan.slo.notes if n.startswith("missed")]
+    if not result.tuned_passed and not out:
+        out.append("missed: the chosen round did not meet every target on the tuning requests")
+    for m in plan.slo.target:
+        if not plan.slo.passed(m):
+            out.append(f"missed on held-out requests: {m}: {plan.slo.verdict.get(m, 'no verdict')}")
+    plan.slo.notes.extend(n for n in out if n not in plan.slo.notes)
+    return out
 
 
 class SearchStatus:

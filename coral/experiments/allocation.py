@@ -3,10 +3,11 @@ coral.allocation.baselines), goodput under scarcity, online solve time, a multi-
 and availability, and the waterfall from the paper's setting to ours.
 
 SLO goodput is measured as the paper measures it, by simulation: every plan of the default, scarce and
-imbalanced experiments is run on the scenario's held-out workload (seed `HELD_OUT_SEED`, the scenario's run
-length; the planner sizes demand on seed 0) and scored by the generated tokens/s of requests that met both SLOs,
-beside the planned share of demand served. Prices, instance types and regions come from `offerings` when given
-(an offerings file, as `--offerings`), else from each scenario's own market.
+imbalanced experiments is run on the scenario's held-out workload (seed `HELD_OUT_SEED` of the held-out part of
+each trace, the scenario's run length; the planner sizes demand on seed 0 of the tuning part) and scored by the
+generated tokens/s of requests that met both SLOs, beside the planned share of demand served. Prices, instance
+types and regions come from `offerings` when given (an offerings file, as `--offerings`), else from each
+scenario's own market.
 
 Every experiment returns an `ExperimentResult` (rows of a table) and writes `<out>/experiments/<name>.json` and
 `<name>.png`. Libraries are built once per scenario and cached at `<out>/<scenario>.templates.sqlite`."""
@@ -37,7 +38,9 @@ from coral.workload.traces import RequestSet, thinned, workload_for
 
 SCARCE_FACTORS = (0.5, 0.8, 1.25, 1.75)  # < 1: below the estimate; demand may not be met
 EPOCH_SEED = 7
-HELD_OUT_SEED = TUNING_SEED + 1  # the workload plans are scored on; the planner never sees it
+#: seed of the workload plans are scored on, read from the held-out part of each trace (`workload_for(...,
+#: part="held_out")`): the planner, which sizes on the tuning part, never sees its requests
+HELD_OUT_SEED = TUNING_SEED + 1
 
 
 @dataclass
@@ -81,7 +84,7 @@ class Judge:
         duration = run_length_s(sc)
         key = sc.model_dump_json(include={"models", "trace_scaling", "epochs", "epoch_minutes"})
         if key not in self._workloads:
-            self._workloads[key] = workload_for(sc, duration, HELD_OUT_SEED)
+            self._workloads[key] = workload_for(sc, duration, HELD_OUT_SEED, part="held_out")
         offered = self._workloads[key]
         admitted = thinned(offered, plan.model_shares(), HELD_OUT_SEED)
         sim = simulate(plan, sc, admitted, duration_s=duration, seed=HELD_OUT_SEED, catalog=catalog)
@@ -186,7 +189,7 @@ def exp_default(inputs: Inputs, judge: Judge | None, time_limit: float = 30.0) -
     rows = []
     for name in ("core", "extended"):
         sc, cat, lib = inputs(name)
-        factor = sc.availability.factor if not isinstance(sc.availability, dict) else 3.0
+        factor = getattr(sc.availability, "factor", 3.0)
         rows += _compare(name, lib, sc, _availability(sc, lib, factor, cat), time_limit, cat, judge)
         rows += _compare(f"{name} unlimited", lib, sc, UNLIMITED, time_limit, cat, judge)
     return ExperimentResult("default", "Default setting: planned $/h", _columns(judge), rows,
@@ -198,7 +201,8 @@ def _judged_notes(judge: Judge | None) -> list[str]:
     if judge is None:
         return ["not simulated (--no-simulate): served is the planned share of demand, not SLO goodput"]
     return [f"sim_goodput = generated tokens/s of requests meeting both SLOs, simulated on the held-out workload "
-            f"(seed {HELD_OUT_SEED}), each model offered the share of its requests the plan serves (the rest shed); "
+            f"(seed {HELD_OUT_SEED}, the held-out half of each trace), each model offered the share of its "
+            "requests the plan serves (the rest shed); "
             "goodput_share = of all tokens/s offered; goodput_x = Coral's sim_goodput / the method's (> 1: Coral "
             "serves more within SLO); attainment = share of all offered requests served within SLO"]
 

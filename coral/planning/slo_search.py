@@ -22,7 +22,12 @@ changes template shapes as demand moves), so a bound contradicted by a later rou
 trusted, and the result is the cheapest plan *of all rounds* that met every target, not the last one.
 
 Stopping rule: when every bracket is within `tolerance` and the plan of all ``hi`` values has been simulated,
-or after `max_rounds` rounds, or when `time_budget_s` has run out (checked before each round). Then the chosen
+or after `max_rounds` rounds (default `default_rounds`: 14 for 3 models, one more per model beyond). The budget
+is rounds, not seconds, so the same inputs give the same rounds and plan on an idle or a loaded machine: no
+decision of the search reads the clock. `time_budget_s` (default `default_budget_s`, 4x the seconds the rounds
+take on 2 cores) is a wall-clock safety net only, checked before each round; when it stops the search, or the
+allocator's own safety net stops a round's solve, `SearchResult.safety_net` and the plan's `slo.safety_net` say
+so, since the result then depends on the machine's speed and load. Then the chosen
 plan is scored on the held-out request sets (other seeds: other segments of the traces): a model's held-out
 attainment is over all their requests (one hour by default), its worst single set is recorded beside it. Each
 model gets a verdict on the held-out attainment: pass, or fail with the reason: single requests that miss even
@@ -69,10 +74,18 @@ Evaluator = Callable[[Plan, int, float], Mapping[str, Attainment]]
 SHRINK = 0.85
 
 
+def default_rounds(scenario: Scenario) -> int:
+    """Rounds of the search by default: 14 for up to 3 models, one more per model beyond (each adds two brackets
+    to settle; rounds settle all brackets at once, so they grow with the models far slower than the seconds a
+    round takes): core 14, extended 17."""
+    return 14 + max(0, len(scenario.models) - 3)
+
+
 def default_budget_s(scenario: Scenario) -> float:
-    """Search time by default: 2 minutes for 3 models, growing with the square of the models (more keys to
-    settle, and every round simulates them all), at most 9 minutes: core 120 s, extended 480 s."""
-    return min(540.0, 120.0 * (len(scenario.models) / 3) ** 2)
+    """The search's wall-clock safety net by default (not its budget: that is `default_rounds`): 4x the seconds
+    its rounds take on 2 shared cores, growing with the square of the models (more rounds, each simulating and
+    planning more models), at most 36 minutes: core 480 s, extended 1920 s."""
+    return min(2160.0, 480.0 * (len(scenario.models) / 3) ** 2)
 
 #: share of requests kept when measuring the ceiling (requests served alone, nothing queued)
 CEILING_SAMPLE = 0.02
@@ -83,10 +96,13 @@ class SearchSettings:
     """Bounds and data of the search (module doc)."""
 
     duration_s: float | None = None  # simulated seconds per request set (default: the scenario's run length)
-    tune_seeds: tuple[int, ...] = (TUNING_SEED, 10, 11)  # request sets tuned on: a model's worst one counts
+    # request sets tuned on, read from the tuning part of each trace (its first half): a model's worst one counts
+    tune_seeds: tuple[int, ...] = (TUNING_SEED, 10, 11)
+    # request sets the chosen plan is scored on, read from the held-out part (the second half): never tuned on
     held_out_seeds: tuple[int, ...] = (1, 2)
-    max_rounds: int = 14
-    time_budget_s: float | None = None  # default: `default_budget_s` (core 120 s, extended 480 s)
+    max_rounds: int | None = None  # the search's budget; default: `default_rounds` (core 14, extended 17)
+    time_budget_s: float | None = None  # wall-clock safety net only; default: `default_budget_s` (core 480 s,
+    # extended 1920 s)
     tolerance: float = 1.06
     margin: float = 0.1  # a model passes a tuning round with at most (1 - margin) x its allowed misses
 
@@ -110,6 +126,14 @@ class SearchResult:
     headroom: dict[DemandKey, float]
     rounds: list[Round] = field(default_factory=list)
     wall_s: float = 0.0
+    safety_net: str | None = None  # what a wall-clock safety net stopped (the search's, or the allocator's in a
+    # round), in words; None: the result depends on the inputs alone
+    chosen: int | None = None  # index of the round whose plan was chosen
+
+    @property
+    def tuned_passed(self) -> bool:
+        """Whether the chosen round met every target on the tuning requests."""
+        return self.chosen is not None and self.rounds[self.chosen].passed
 
     @property
     def met(self) -> bool:
@@ -134,9 +158,14 @@ def allocator_planner(library: TemplateLibrary, scenario: Scenario, availability
     return lambda demand: method(library, scenario, demand=demand, availability=availability, catalog=catalog)
 
 
-def simulator_evaluator(scenario: Scenario, duration_s: float, catalog: Catalog | None = None) -> Evaluator:
+def simulator_evaluator(scenario: Scenario, duration_s: float, catalog: Catalog | None = None,
+                        held_out_seeds: tuple[int, ...] | None = None) -> Evaluator:
     """Attainment from the simulator on the scenario's workload of each seed (kept once made), thinned to a share
-    of its requests when asked (requests served alone: nothing queues)."""
+    of its requests when asked (requests served alone: nothing queues). A seed of `held_out_seeds` (default:
+    `SearchSettings().held_out_seeds`; pass the search's own when it sets others) reads the held-out part of
+    each trace, every other seed the tuning part (`coral.workload.traces.TracePart`), so the held-out sets hold
+    no request the tuning sets hold."""
+    held = frozenset(SearchSettings().held_out_seeds if held_out_seeds is None else held_out_seeds)
     workloads: dict[int, dict[str, RequestSet]] = {}
     seen: dict[tuple[str, int, float], dict[str, Attainment]] = {}
 
@@ -145,7 +174,7 @@ def simulator_evaluator(scenario: Scenario, duration_s: float, catalog: Catalog 
         if key in seen:  # rounds whose demand moved too little to change the plan: same plan, same result
             return seen[key]
         if seed not in workloads:
-            workloads[seed] = workload_for(scenario, duration_s, seed)
+            workloads[seed] = workload_for(scenario, duration_s, seed, part="held_out" if seed in held else "tune")
         requests = workloads[seed] if share >= 1 else thinned(workloads[seed], share, seed)
         sim = simulate(plan, scenario, requests, duration_s=duration_s, seed=seed, catalog=catalog)
         seen[key] = {m.model: Attainment(m.slo_attainment, m.ttft_attainment, m.tpot_attainment)
@@ -180,43 +209,49 @@ def with_traffic(plan: Plan, traffic: Mapping[DemandKey, float]) -> Plan:
     return plan
 
 
-def search_plan(
-    planner: Planner,
-    scenario: Scenario,
-    settings: SearchSettings | None = None,
-    *,
-    catalog: Catalog | None = None,
-    evaluate: Evaluator | None = None,
-    progress: Progress | None = None,
-) -> SearchResult:
-    """The cheapest plan found whose simulated attainment meets every model's `slo_attainment` on the tuning
-    requests, scored on held-out ones, with per-model verdicts (module doc)."""
-    cfg = settings or SearchSettings()
-    t0 = time.perf_counter()
-    say = progress or (lambda _: None)
-    duration = cfg.duration_s or run_length_s(scenario)
+@dataclass
+class _Trial:
+    """The rounds of one planner (`_run_rounds`)."""
+
+    rounds: list[Round] = field(default_factory=list)
+    plans: dict[int, Plan] = field(default_factory=dict)
+    cap: dict[DemandKey, float] = field(default_factory=dict)  # h at which availability ran out
+    closest: tuple[float, int] | None = None  # (least attainment - target, round)
+    nets: list[str] = field(default_factory=list)
+    unresponsive: dict[DemandKey, str] = field(default_factory=dict)  # keys that stopped drawing capacity, why
+    headroom: dict[DemandKey, float] = field(default_factory=dict)  # the last proposal
+
+
+#: a key that kept missing while its capacity grew by this factor with under `RESPONSE` of its shortfall made up
+#: stops drawing capacity
+UNRESPONSIVE_GROWTH = 1.5
+RESPONSE = 0.25
+
+
+def _run_rounds(planner: Planner, scenario: Scenario, cfg: SearchSettings, start: Mapping[DemandKey, float],
+                evaluate: Evaluator, say: Progress, t0: float, max_rounds: int, first_index: int = 0) -> _Trial:
+    """Rounds of the bracket search (module doc) from headroom `start`, numbered from `first_index`."""
     traffic = scenario_traffic(scenario)
     keys = [k for k, v in traffic.items() if v > 0]
-    start = headroom(scenario)
     target = {sm.model: sm.slo_attainment for sm in scenario.models}
-    evaluate = evaluate or simulator_evaluator(scenario, duration, catalog)
     brackets = {k: _Bracket(h=max(1.0, start[k])) for k in keys}
-    cap: dict[DemandKey, float] = {}  # h at which availability ran out
-    rounds: list[Round] = []
-    plans: dict[int, Plan] = {}
-    closest: tuple[float, int] | None = None  # (least attainment - target, round)
-
-    def proposal() -> dict[DemandKey, float]:
-        return {k: b.h for k, b in brackets.items()}
-
+    trial = _Trial()
+    cap, rounds, plans = trial.cap, trial.rounds, trial.plans
+    misses: dict[DemandKey, list[tuple[float, float]]] = {}  # (capacity ÷ traffic, phase attainment) while short
     budget = cfg.time_budget_s if cfg.time_budget_s is not None else default_budget_s(scenario)
-    while len(rounds) < cfg.max_rounds and (time.perf_counter() - t0 < budget or not rounds):
+    while len(rounds) < max_rounds:
+        if (rounds or first_index) and time.perf_counter() - t0 >= budget:  # the safety net, never the budget
+            trial.nets.append(f"the search's wall-clock safety net ({budget:.0f} s) stopped it after "
+                              f"{first_index + len(rounds)} rounds")
+            break
         t_round = time.perf_counter()
-        h = proposal()
+        h = {k: b.h for k, b in brackets.items()}
         demand = {k: traffic[k] * h.get(k, 1.0) for k in traffic}
-        index = len(rounds)
+        index = first_index + len(rounds)
         try:
             plan = with_traffic(planner(demand), traffic)
+            if plan.solve.safety_net:
+                trial.nets.append(f"round {index + 1}: the allocator's wall-clock safety net: {plan.solve.safety_net}")
         except InfeasibleDemand as exc:
             for k in exc.models or keys:
                 if k in brackets:
@@ -235,8 +270,8 @@ def search_plan(
         rounds.append(Round(index, h, plan.cost_per_hour, att, passed, wall_s=time.perf_counter() - t_round))
         plans[index] = plan
         worst = min(att.get(m, 0.0) - target[m] for m in target)
-        if closest is None or worst > closest[0]:
-            closest = (worst, index)
+        if trial.closest is None or worst > trial.closest[0]:
+            trial.closest = (worst, index)
         say(f"round {index + 1}: ${plan.cost_per_hour:,.2f}/h, " + ", ".join(
             f"{m} {att.get(m, 0.0):.1%}" for m in target) + (" - meets every target" if passed else ""))
         settled_before = all(b.settled(cfg.tolerance) for b in brackets.values())
@@ -258,12 +293,20 @@ def search_plan(
                 seen = result.get(m, Attainment(0.0, 0.0, 0.0))
                 for p in _blamed(1.0 - seen.ttft, 1.0 - seen.tpot, allowed):
                     short = brackets.get((m, p))
-                    if short is None:
+                    if short is None or (m, p) in trial.unresponsive:
                         continue
                     short.lo, short.lo_seen = got.get((m, p), short.h), True
-                    grow.add((m, p))
                     if short.hi is not None and short.hi <= short.lo:
                         short.hi = None
+                    history = misses.setdefault((m, p), [])
+                    history.append((short.lo, seen.ttft if p is Phase.PREFILL else seen.tpot))
+                    why = _unresponsive(history, 1.0 - allowed * (1.0 - cfg.margin))
+                    if why:  # capacity does not lift it: stop drawing more (module doc)
+                        trial.unresponsive[(m, p)] = why
+                        short.hi, short.lo = short.lo, short.lo / cfg.tolerance
+                        say(f"{m}/{p.value}: {why}")
+                    else:
+                        grow.add((m, p))
         if passed and settled_before:
             break
         for k, b in brackets.items():
@@ -277,15 +320,84 @@ def search_plan(
                 b.h = b.lo * min(3.0, max(1.2, math.sqrt(miss / max(1.0 - target[m], 1e-6))))
             if k in cap:
                 b.h = min(b.h, cap[k] / cfg.tolerance ** 0.5)
+    trial.headroom = {k: b.h for k, b in brackets.items()}
+    return trial
+
+
+def _unresponsive(history: list[tuple[float, float]], needed: float) -> str | None:
+    """Words when a key that missed in every entry of `history` ((capacity ÷ traffic, its phase's attainment),
+    in round order) grew its capacity by `UNRESPONSIVE_GROWTH` or more since its first miss while its phase's
+    attainment made up under `RESPONSE` of the shortfall: its misses are latency, not load."""
+    if len(history) < 3:
+        return None
+    (h0, a0), (h1, a1) = history[0], history[-1]
+    if h1 < h0 * UNRESPONSIVE_GROWTH or a1 - a0 >= RESPONSE * max(needed - a0, 1e-9):
+        return None
+    return (f"does not respond to capacity ({a0:.1%} at {h0:.2f}x its traffic, {a1:.1%} at {h1:.2f}x): "
+            "latency-bound on these templates; stops drawing capacity (other templates, a looser SLO or a lower "
+            "target would help)")
+
+
+def search_plan(
+    planner: Planner,
+    scenario: Scenario,
+    settings: SearchSettings | None = None,
+    *,
+    catalog: Catalog | None = None,
+    evaluate: Evaluator | None = None,
+    progress: Progress | None = None,
+    subset: Planner | None = None,
+) -> SearchResult:
+    """The cheapest plan found whose simulated attainment meets every model's `slo_attainment` on the tuning
+    requests, scored on held-out ones, with per-model verdicts (module doc). With `subset` (a planner over a
+    subset of `planner`'s columns, e.g. the homogeneous templates), the search first runs the rounds `subset`'s
+    own search would run, then `planner`'s, and keeps the cheapest plan of either that passed: never dearer
+    than the subset's search. (Continuing `planner`'s rounds from where the subset's ended found dearer plans
+    than its own start on core: $55.76/h against $54.70/h at 90 %, `benchmarks/equal_attainment.py`.)"""
+    cfg = settings or SearchSettings()
+    t0 = time.perf_counter()
+    say = progress or (lambda _: None)
+    duration = cfg.duration_s or run_length_s(scenario)
+    target = {sm.model: sm.slo_attainment for sm in scenario.models}
+    evaluate = evaluate or simulator_evaluator(scenario, duration, catalog, cfg.held_out_seeds)
+    max_rounds = cfg.max_rounds if cfg.max_rounds is not None else default_rounds(scenario)
+    start = headroom(scenario)
+    trials: list[_Trial] = []
+    if subset is not None:
+        say("first the subset planner's own search (the plan may not be dearer than its result)")
+        trials.append(_run_rounds(subset, scenario, cfg, start, evaluate, say, t0, max_rounds))
+    trials.append(_run_rounds(planner, scenario, cfg, start, evaluate, say, t0, max_rounds,
+                              sum(len(t.rounds) for t in trials)))
+    rounds = [r for t in trials for r in t.rounds]
+    plans = {i: p for t in trials for i, p in t.plans.items()}
+    cap: dict[DemandKey, float] = {}
+    for t in trials:
+        for k, v in t.cap.items():
+            cap[k] = min(cap.get(k, math.inf), v)
+    closest = max((t.closest for t in trials if t.closest is not None), default=None)
     passing = [r for r in rounds if r.passed]
     chosen = min(passing, key=lambda r: (r.cost_per_hour or 0.0, r.index)) if passing else (
         rounds[closest[1]] if closest is not None else None)
+    net = "; ".join(n for t in trials for n in t.nets) or None
+    unresponsive = {k: v for t in trials for k, v in t.unresponsive.items()}
     if chosen is None or chosen.index not in plans:
-        return SearchResult(None, proposal(), rounds, time.perf_counter() - t0)
+        return SearchResult(None, trials[-1].headroom, rounds, time.perf_counter() - t0, net)
     best = plans[chosen.index]
     say(f"scoring the chosen plan (round {chosen.index + 1}) on {len(cfg.held_out_seeds)} held-out request sets")
     best.slo = score(best, scenario, cfg, duration, chosen.attainment, chosen.headroom, cap, evaluate)
-    return SearchResult(best, chosen.headroom, rounds, time.perf_counter() - t0)
+    best.slo.safety_net = net
+    best.slo.notes += [f"{m}/{p.value} {why}" for (m, p), why in unresponsive.items()]
+    if not chosen.passed:
+        best.slo.notes.append(missed_words(chosen, target, len(rounds), len(rounds)))
+    return SearchResult(best, chosen.headroom, rounds, time.perf_counter() - t0, net, chosen.index)
+
+
+def missed_words(chosen: Round, target: Mapping[str, float], n_rounds: int, max_rounds: int) -> str:
+    """Why the chosen plan is not one that met every target on the tuning requests, in words."""
+    short = ", ".join(f"{m} {chosen.attainment.get(m, 0.0):.1%} < {t:.0%}" for m, t in target.items()
+                      if chosen.attainment.get(m, 0.0) < t) or "every model at its target but short of the margin"
+    return (f"missed: no round met every target on the tuning requests ({n_rounds} of {max_rounds} rounds); the "
+            f"closest, round {chosen.index + 1}, was chosen ({short})")
 
 
 def score(plan: Plan, scenario: Scenario, cfg: SearchSettings, duration: float, tuned: Mapping[str, float],
@@ -295,7 +407,7 @@ def score(plan: Plan, scenario: Scenario, cfg: SearchSettings, duration: float, 
     the headroom at which availability ran out per key) on the held-out request sets, and a verdict per model
     (module doc)."""
     capped = capped or {}
-    evaluate = evaluate or simulator_evaluator(scenario, duration)
+    evaluate = evaluate or simulator_evaluator(scenario, duration, held_out_seeds=cfg.held_out_seeds)
     target = {sm.model: sm.slo_attainment for sm in scenario.models}
     sets = [evaluate(plan, seed, 1.0) for seed in cfg.held_out_seeds]
     held = {m: sum(r[m].slo for r in sets if m in r) / len(sets) for m in target} if sets else {

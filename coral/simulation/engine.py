@@ -16,8 +16,9 @@ free batch slot; its path is then the node of each stage that weighted round-rob
 among those, so a full node never holds up requests another node of its stage could take. It is charged its
 prompt plus half its output ("mean": what a paged KV cache holds for it on average over its decode, so the
 cache's occupancy matches vLLM's without simulating preemption) or its whole final context ("max": reserve up front, never preempt). Then its KV cache crosses from prefill to decode nodes
-(per decode stage: attended prompt tokens x KV bytes x the stage's layers over the slower NIC; stages transfer
-in parallel) and it joins the batches of its path. Each token passes the path's S stage nodes, where a node's
+(`coral.perf.latency`: every node sends or receives its own layers' KV at once, so the hand-off lasts attended prompt
+tokens x KV bytes per layer x the largest layers / NIC of any node on the prefill or the decode path) and it
+joins the batches of its path. Each token passes the path's S stage nodes, where a node's
 step time is that of a micro-batch of ceil(k/S) of the k sequences it holds at their mean context (prompt +
 output/2 each, the perf model's decode context). A sequence makes one token per pipeline cycle: the sum of its
 nodes' step times, or, with m = min(S, k) micro-batches in flight, m x the slowest node's step time if that is
@@ -82,10 +83,12 @@ class Stride(Generic[T]):
 class PNode:
     """A prefill stage node; queue and batch hold [request, prompt tokens still to pass this node]."""
 
-    __slots__ = ("batch", "busy", "busy_time", "cap", "gpus", "inst", "last", "nic", "queue", "stage", "table")
+    __slots__ = ("batch", "busy", "busy_time", "cap", "gpus", "inst", "last", "layers_per_nic", "queue", "stage",
+                 "table")
 
-    def __init__(self, k: NodeKernel, inst: Instance, stage: int, n_stages: int) -> None:
-        self.table, self.cap, self.nic, self.gpus, self.inst = k.table, k.cap, k.nic_bytes_s, k.gpus, inst
+    def __init__(self, k: NodeKernel, inst: Instance, stage: int, n_stages: int, layers: int) -> None:
+        self.table, self.cap, self.gpus, self.inst = k.table, k.cap, k.gpus, inst
+        self.layers_per_nic = layers / k.nic_bytes_s  # its share of a hand-off, per KV byte of a layer
         self.stage, self.last = stage, stage == n_stages - 1
         self.queue: deque[list[int]] = deque()
         self.batch: list[list[int]] = []
@@ -96,11 +99,12 @@ class PNode:
 class DNode:
     """A decode stage node: k resident sequences, `slots` admitted (resident or receiving KV)."""
 
-    __slots__ = ("busy_time", "cap", "ctx_sum", "dt", "gpus", "inst", "k", "k_area", "kv_cap", "kv_free", "nic",
-                 "paths", "slots", "t_mark", "table")
+    __slots__ = ("busy_time", "cap", "ctx_sum", "dt", "gpus", "inst", "k", "k_area", "kv_cap", "kv_free",
+                 "layers_per_nic", "paths", "slots", "t_mark", "table")
 
-    def __init__(self, k: NodeKernel, inst: Instance, stage: int, n_stages: int) -> None:
-        self.table, self.cap, self.nic, self.gpus, self.inst = k.ctx_table, k.cap, k.nic_bytes_s, k.gpus, inst
+    def __init__(self, k: NodeKernel, inst: Instance, stage: int, n_stages: int, layers: int) -> None:
+        self.table, self.cap, self.gpus, self.inst = k.ctx_table, k.cap, k.gpus, inst
+        self.layers_per_nic = layers / k.nic_bytes_s
         self.ctx_sum = 0.0  # decode context (prompt + output/2) summed over resident sequences
         self.kv_cap = self.kv_free = k.kv_tokens
         self.k = self.slots = 0
@@ -164,7 +168,7 @@ class Instance:
         s = len(spec.stages)
         node_cls = PNode if spec.phase == "prefill" else DNode
         self.stages: list[list[Any]] = [
-            [node_cls(kernels.kernel(spec.model, spec.phase, c, st.layers, s, workload), self, j, s)
+            [node_cls(kernels.kernel(spec.model, spec.phase, c, st.layers, s, workload), self, j, s, st.layers)
              for c in st.nodes]
             for j, st in enumerate(spec.stages)
         ]
@@ -565,16 +569,16 @@ class Engine:
             self.d_path[r] = path
             w.popleft()
             self.t_admit[r] = t
-            pnic = min(n.nic for n in self.p_nodes[r])
-            xfer = 0.0
-            kv_in = self.kv_in[r]
-            for n, layers in zip(path.nodes, path.layers, strict=True):
+            busiest = 0.0  # the hand-off rule of coral.perf.latency: the busiest NIC of either side
+            for pn in self.p_nodes[r]:
+                if pn.layers_per_nic > busiest:
+                    busiest = pn.layers_per_nic
+            for n in path.nodes:
                 n.slots += 1
                 n.kv_free -= min(need, n.kv_cap)
-                x = kv_in * layers / (n.nic if n.nic < pnic else pnic)
-                if x > xfer:
-                    xfer = x
-            self.push(t + xfer, _K_KV, r)
+                if n.layers_per_nic > busiest:
+                    busiest = n.layers_per_nic
+            self.push(t + self.kv_in[r] * busiest, _K_KV, r)
 
     def _change(self, path: Path, delta: int, ctx: float, t: float) -> None:
         """Add (+1) or remove (-1) one sequence of decode context `ctx` on every node of `path`, keeping all

@@ -30,17 +30,24 @@ SHIPPED_TRACES = {
 
 @dataclass(frozen=True)
 class RequestSet:
-    """Requests of one model: arrival times (s, sorted, first at 0), prompt and generated token counts."""
+    """Requests of one model: arrival times (s, sorted, first at 0), prompt and generated token counts, and,
+    where tracked, `trace_s`: the time of each request in the trace it was read from (s from that trace's first
+    request; the trace's own time scale, before any overlay, compression or tiling), which with its lengths
+    names the recorded request behind it (`origins`). Sets read from a trace keep it; synthetic sets and sets
+    built by hand leave it None."""
 
     arrival_s: np.ndarray
     input_tokens: np.ndarray
     output_tokens: np.ndarray
     source: str = ""
+    trace_s: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         n = len(self.arrival_s)
         if len(self.input_tokens) != n or len(self.output_tokens) != n:
             raise ValueError("arrival_s, input_tokens and output_tokens must have the same length")
+        if self.trace_s is not None and len(self.trace_s) != n:
+            raise ValueError("trace_s must have one entry per request")
 
     def __len__(self) -> int:
         return len(self.arrival_s)
@@ -58,9 +65,24 @@ class RequestSet:
     def rate(self) -> float:
         return len(self) / self.span_s if len(self) else 0.0
 
+    @property
+    def origin_s(self) -> np.ndarray:
+        """Time of each request in its source trace: `trace_s` where tracked, else its arrival time from the first
+        (a trace as loaded is its own source)."""
+        if self.trace_s is not None:
+            return self.trace_s
+        return self.arrival_s - self.arrival_s[0] if len(self) else self.arrival_s
+
+    def origins(self) -> set[tuple[float, int, int]]:
+        """The recorded requests behind these: (time in the source trace, prompt tokens, generated tokens)."""
+        return set(zip(self.origin_s.tolist(), self.input_tokens.tolist(), self.output_tokens.tolist(), strict=True))
+
+    def _subset(self, keep: np.ndarray) -> RequestSet:
+        return RequestSet(self.arrival_s[keep], self.input_tokens[keep], self.output_tokens[keep], self.source,
+                          None if self.trace_s is None else self.trace_s[keep])
+
     def until(self, duration_s: float) -> RequestSet:
-        keep = self.arrival_s < duration_s
-        return RequestSet(self.arrival_s[keep], self.input_tokens[keep], self.output_tokens[keep], self.source)
+        return self._subset(self.arrival_s < duration_s)
 
 
 def thinned(requests: Mapping[str, RequestSet], share: float | Mapping[str, float], seed: int
@@ -72,11 +94,12 @@ def thinned(requests: Mapping[str, RequestSet], share: float | Mapping[str, floa
     for m, r in requests.items():
         p = share if isinstance(share, float | int) else share.get(m, 1.0)
         keep = rng.random(len(r)) < p
-        out[m] = RequestSet(r.arrival_s[keep], r.input_tokens[keep], r.output_tokens[keep], r.source)
+        out[m] = r._subset(keep)
     return out
 
 
-def _make(arrival: np.ndarray, inp: np.ndarray, out: np.ndarray, source: str) -> RequestSet:
+def _make(arrival: np.ndarray, inp: np.ndarray, out: np.ndarray, source: str,
+          trace_s: np.ndarray | None = None) -> RequestSet:
     order = np.argsort(arrival, kind="stable")
     t = np.asarray(arrival, dtype=float)[order]
     t = t - t[0] if len(t) else t
@@ -85,6 +108,7 @@ def _make(arrival: np.ndarray, inp: np.ndarray, out: np.ndarray, source: str) ->
         np.maximum(np.asarray(inp, dtype=np.int64)[order], 1),
         np.maximum(np.asarray(out, dtype=np.int64)[order], 1),
         source,
+        None if trace_s is None else np.asarray(trace_s, dtype=float)[order],
     )
 
 
@@ -223,7 +247,8 @@ def rescale(requests: RequestSet, rate: float) -> RequestSet:
     if len(requests) < 2:
         return requests
     factor = requests.rate / rate
-    return RequestSet(requests.arrival_s * factor, requests.input_tokens, requests.output_tokens, requests.source)
+    return RequestSet(requests.arrival_s * factor, requests.input_tokens, requests.output_tokens, requests.source,
+                      requests.origin_s)
 
 
 def tile(requests: RequestSet, duration_s: float, seed: int) -> RequestSet:
@@ -234,7 +259,8 @@ def tile(requests: RequestSet, duration_s: float, seed: int) -> RequestSet:
     span = requests.span_s
     rng = np.random.default_rng(seed)
     n = len(requests)
-    parts_t, parts_i, parts_o = [], [], []
+    origin = requests.origin_s
+    parts_t, parts_i, parts_o, parts_s = [], [], [], []
     offset = 0.0
     while offset < duration_s:
         shift = int(rng.integers(n))
@@ -244,9 +270,11 @@ def tile(requests: RequestSet, duration_s: float, seed: int) -> RequestSet:
         parts_t.append(t + offset)
         parts_i.append(requests.input_tokens[idx])
         parts_o.append(requests.output_tokens[idx])
+        parts_s.append(origin[idx])
         offset += span
     return _make(
-        np.concatenate(parts_t), np.concatenate(parts_i), np.concatenate(parts_o), requests.source
+        np.concatenate(parts_t), np.concatenate(parts_i), np.concatenate(parts_o), requests.source,
+        np.concatenate(parts_s),
     ).until(duration_s)
 
 
@@ -259,7 +287,8 @@ def _from_time(requests: RequestSet, start_s: float, duration_s: float) -> Reque
     times = np.concatenate([t[order] + k * span for k in range(reps)])
     keep = times < duration_s
     return RequestSet(times[keep], np.tile(requests.input_tokens[order], reps)[keep],
-                      np.tile(requests.output_tokens[order], reps)[keep], requests.source)
+                      np.tile(requests.output_tokens[order], reps)[keep], requests.source,
+                      np.tile(requests.origin_s[order], reps)[keep])
 
 
 def superpose(requests: RequestSet, rate: float, duration_s: float, seed: int) -> RequestSet:
@@ -281,7 +310,50 @@ def superpose(requests: RequestSet, rate: float, duration_s: float, seed: int) -
     order = np.argsort(t[mask], kind="stable")
     inp = np.concatenate([p.input_tokens for p in parts])[mask][order]
     out = np.concatenate([p.output_tokens for p in parts])[mask][order]
-    return RequestSet(t[mask][order], inp, out, requests.source)
+    origin = np.concatenate([p.origin_s for p in parts])[mask][order]
+    return RequestSet(t[mask][order], inp, out, requests.source, origin)
+
+
+#: which part of each trace's time range a request set reads: the planner tunes on "tune" sets and scores plans on
+#: "held_out" sets, so a held-out request is one the planner never saw (module `coral.planning.slo_search`)
+TracePart = Literal["tune", "held_out"]
+TRACE_PARTS: tuple[TracePart, ...] = ("tune", "held_out")
+
+#: share of every trace's time span (from its first request) that tuning sets read; held-out sets read the rest.
+#: Half and half: the two held-out half hours a verdict rests on get as much distinct recorded traffic as the
+#: tuning sets (each half of the shipped Azure traces is about 29 minutes, about the 30-minute run they fill,
+#: so a set replays its part about once rather than several times over); contiguous halves rather than
+#: interleaved blocks, because requests a few seconds apart belong to the same burst, and a block boundary
+#: every few minutes would let a tuning burst run on into a held-out one.
+TRACE_SPLIT = 0.5
+
+
+def part_bounds(part: TracePart, split: float = TRACE_SPLIT) -> tuple[float, float]:
+    """(start, end) of a part as shares of a trace's span: tune [0, split), held_out [split, 1)."""
+    if not 0.0 < split < 1.0:
+        raise ValueError("split must be in (0, 1)")
+    if part == "tune":
+        return 0.0, split
+    if part == "held_out":
+        return split, 1.0
+    raise ValueError(f"trace part must be one of {', '.join(TRACE_PARTS)}, not {part!r}")
+
+
+def trace_part(requests: RequestSet, part: TracePart, split: float = TRACE_SPLIT) -> RequestSet:
+    """The requests of one part of a trace's time range (`part_bounds`), arrival times from the part's first
+    request; `trace_s` keeps each one's time in the whole trace. Superposing or tiling the result reads (and
+    wraps around) only that part."""
+    lo, hi = part_bounds(part, split)
+    if not len(requests):
+        return requests
+    span = requests.span_s
+    rel = requests.arrival_s - requests.arrival_s[0]
+    keep = (rel >= lo * span) & (rel < hi * span)
+    if keep.sum() < 2:
+        raise CoralInputError(f"{requests.source or 'trace'}: its {part} part ({lo:.0%} to {hi:.0%} of "
+                              f"{span:.0f} s) holds {int(keep.sum())} request(s); at least 2 are needed")
+    return _make(rel[keep], requests.input_tokens[keep], requests.output_tokens[keep], requests.source,
+                 requests.origin_s[keep])
 
 
 def shipped_path(trace: str) -> Path:
@@ -310,20 +382,28 @@ def workload_for(
     traces: Mapping[str, str | Path] | None = None,
     rate_scale: float = 1.0,
     scaling: TraceScaling | None = None,
+    part: TracePart | None = None,
 ) -> dict[str, RequestSet]:
     """Requests of every scenario model over `duration_s`: its trace (a user file from `traces[model]`, else
     the shipped trace named by the scenario, else synthetic Poisson with the scenario's means), brought to the
     model's request rate x `rate_scale` by `scaling` (default: the scenario's `trace_scaling`): "superpose"
     overlays independent segments of the trace (`superpose`), "compress" compresses time (`rescale`) and
-    tiles the result to the duration. Each seed draws other segments: other requests of the same traffic."""
+    tiles the result to the duration. Each seed draws other segments: other requests of the same traffic.
+
+    `part` ("tune" or "held_out", `TracePart`) reads only that part of each trace's time range (`trace_part`:
+    the first `TRACE_SPLIT` of its span, or the rest), so that no request of a held-out set is a request of a
+    tuning set, whatever the seeds; synthetic models draw from a random stream of their own per part. None
+    (the default) reads the whole trace, as simulations and experiments that neither tune nor score a plan do."""
     traces = traces or {}
     how = scaling or scenario.trace_scaling
     if how not in ("superpose", "compress"):
         raise CoralInputError(f"trace scaling must be 'superpose' or 'compress', not {how!r}")
+    if part is not None:
+        part_bounds(part)  # names the parts when `part` is none of them
     out: dict[str, RequestSet] = {}
     for i, m in enumerate(scenario.models):
         rate = m.request_rate * rate_scale
-        sub_seed = seed * 1009 + i
+        sub_seed = seed * 1009 + i if part is None else _part_seed(seed, i, part)
         if rate <= 0:
             out[m.model] = _make(np.zeros(0), np.zeros(0), np.zeros(0), "none")
             continue
@@ -339,9 +419,64 @@ def workload_for(
                 f"scenario {scenario.name}: models.{i}.trace: unknown trace {m.trace!r}; known: "
                 f"{', '.join([*SHIPPED_TRACES, 'synthetic'])} (or pass a file with --trace {m.model}=PATH)"
             )
+        if part is not None:
+            base = trace_part(base, part)
         out[m.model] = (superpose(base, rate, duration_s, sub_seed) if how == "superpose"
                         else tile(rescale(base, rate), duration_s, sub_seed))
     return out
+
+
+def _part_seed(seed: int, index: int, part: TracePart) -> int:
+    """Seed of a scenario model's requests in one part: its own stream per (seed, model index, part)."""
+    return int(np.random.SeedSequence([seed, index, TRACE_PARTS.index(part)]).generate_state(1)[0])
+
+
+def request_sets(
+    scenario: Scenario,
+    duration_s: float,
+    tune_seeds: tuple[int, ...],
+    held_out_seeds: tuple[int, ...],
+    traces: Mapping[str, str | Path] | None = None,
+) -> list[dict[str, object]]:
+    """What the tuning and the held-out request sets of a scenario hold, one row per (model, part): the seeds,
+    the requests simulated (over all of the part's seeds), the minutes simulated, the part of the trace read
+    (`trace_from_min`, `trace_to_min`, `trace_minutes`, `trace_requests`: its recorded requests; None for
+    synthetic models, which draw fresh requests), how many distinct recorded requests the sets use, and
+    `shared`: how many recorded requests the two parts' sets of the model have in common (0 by construction)."""
+    traces = traces or {}
+    seeds: dict[TracePart, tuple[int, ...]] = {"tune": tuple(tune_seeds), "held_out": tuple(held_out_seeds)}
+    made = {p: [workload_for(scenario, duration_s, s, traces, part=p) for s in seeds[p]] for p in TRACE_PARTS}
+    rows: list[dict[str, object]] = []
+    for m in scenario.models:
+        if m.model in traces:
+            base: RequestSet | None = load_trace(traces[m.model])
+        elif m.trace in SHIPPED_TRACES:
+            base = _shipped(m.trace)
+        else:
+            base = None
+        used: dict[TracePart, set[tuple[float, int, int]]] = {}
+        for p in TRACE_PARTS:
+            sets = [w[m.model] for w in made[p]]
+            used[p] = set().union(*(r.origins() for r in sets if r.trace_s is not None))
+            row: dict[str, object] = {
+                "model": m.model, "trace": str(traces.get(m.model, m.trace)), "part": p,
+                "seeds": list(seeds[p]), "requests": sum(len(r) for r in sets),
+                "minutes": round(len(sets) * duration_s / 60.0, 2),
+                "trace_from_min": None, "trace_to_min": None, "trace_minutes": None, "trace_requests": None,
+                "distinct_used": len(used[p]) if base is not None else None,
+            }
+            if base is not None and len(base):
+                lo, hi = part_bounds(p)
+                span = base.span_s
+                rel = base.arrival_s - base.arrival_s[0]
+                row.update(trace_from_min=round(lo * span / 60.0, 2), trace_to_min=round(hi * span / 60.0, 2),
+                           trace_minutes=round((hi - lo) * span / 60.0, 2),
+                           trace_requests=int(((rel >= lo * span) & (rel < hi * span)).sum()))
+            rows.append(row)
+        shared = len(used["tune"] & used["held_out"]) if base is not None else None
+        for row in rows[-len(TRACE_PARTS):]:
+            row["shared"] = shared
+    return rows
 
 
 def stand_in_notes(scenario: Scenario, traces: Mapping[str, str | Path] | None = None) -> list[str]:
