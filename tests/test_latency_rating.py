@@ -15,6 +15,7 @@ from coral.allocation.plan import SolveReport
 from coral.catalog.loader import load_scenario, market_catalog
 from coral.perf.latency import chunked_prefill_s, handoff_s, handoff_side_s
 from coral.perf.model import Phase
+from coral.planning.slo_search import simulator_evaluator
 from coral.simulation.run import simulate
 from coral.templates.build import build_library
 from coral.templates.library import TemplateLibrary
@@ -157,3 +158,42 @@ def test_request_sample_is_the_tuning_part_and_deterministic() -> None:
     latency._SAMPLES.clear()
     b = request_sample(sc, sc.models[1])
     assert np.array_equal(a.input_tokens, b.input_tokens) and len(a.input_tokens) == latency.SAMPLE
+
+
+def test_at_equal_capacity_mixed_templates_attain_what_homogeneous_ones_do(core_lib: TemplateLibrary) -> None:
+    """The rating is honest: phi-4's prefill pool with Coral's mixed pipeline (2 L4 stage + 2 L40S stage, the
+    template its cost plan picks on core) attains, on each tuning set, what the 1xL40S pools on either side of its
+    capacity attain, interpolated at its capacity (the rest of the plan fixed). Coral's cheaper plans at equal
+    demand attain less only because they carry less capacity: a homogeneous plan's whole-instance rounding
+    leaves slack that the search buys back in Coral's plan (and `search_plan(subset=...)` bounds the result)."""
+    sc = load_scenario("core")
+    cat = market_catalog(sc)
+    lib = core_lib
+    market = core.make_market(lib, sc, cat, None)
+    keys = [(m.model, ph) for m in sc.models for ph in Phase]
+
+    def template(model: str, phase: str, counts: dict[str, int], stages: int) -> int:
+        return next(int(t) for t in lib.select(model, phase) if lib.template(int(t)).counts == counts
+                    and len(lib.template(int(t)).stages) == stages)
+
+    rest = [(template("phi-4", "decode", {"1xL40S": 6}, 1), 0, 1),
+            (template("gpt-oss-20b", "prefill", {"1xL40S": 2}, 1), 0, 2),
+            (template("gpt-oss-20b", "decode", {"1xL40S": 1}, 1), 0, 1),
+            (template("qwen3-32b", "prefill", {"1xL40S": 2}, 2), 0, 3),
+            (template("qwen3-32b", "decode", {"4xA10G": 2}, 2), 0, 1)]
+    single = template("phi-4", "prefill", {"1xL40S": 1}, 1)
+    mixed = template("phi-4", "prefill", {"1xL4": 2, "1xL40S": 2}, 2)
+    evaluate = simulator_evaluator(sc, run_length_s(sc), cat)
+
+    def ttft(pool: list[tuple[int, int, int]], seed: int) -> tuple[float, float]:
+        plan = core.build_plan(lib, sc, keys, np.ones(len(keys)), market, rest + pool, method="test", mode="cost",
+                               report=SolveReport(status="test"), running={}, penalty_k=None)
+        capacity = sum(i.throughput for i in plan.instances if (i.model, i.phase) == ("phi-4", "prefill"))
+        return capacity, evaluate(plan, seed, 1.0)["phi-4"].ttft
+
+    for seed in (TUNING_SEED, 10):
+        (c_lo, a_lo), (c_hi, a_hi) = ttft([(single, 0, 4)], seed), ttft([(single, 0, 5)], seed)
+        c_mix, a_mix = ttft([(single, 0, 2), (mixed, 0, 1)], seed)
+        assert c_lo < c_mix < c_hi
+        expected = a_lo + (a_hi - a_lo) * (c_mix - c_lo) / (c_hi - c_lo)
+        assert a_mix == pytest.approx(expected, abs=0.015), (seed, c_mix, a_mix, expected)

@@ -151,11 +151,11 @@ def test_unreachable_target_gets_a_verdict_that_says_why() -> None:
 def test_search_meets_every_target_on_core_held_out() -> None:
     from coral.allocation.availability import resolve_availability
     from coral.experiments.allocation import load_library
-    from coral.planning import allocatortoy_planner
+    from coral.planning import allocator_planner
 
     sc = load_scenario("core")
     lib = load_library("core", Path("out"))
-    res = search_plan(allocatortoy_planner(lib, sc, resolve_availability(sc, lib)), sc)
+    res = search_plan(allocator_planner(lib, sc, resolve_availability(sc, lib)), sc)
     assert res.plan is not None and res.plan.slo is not None
     assert res.met, res.plan.slo.verdict
     assert all(res.plan.slo.held_out[m] >= 0.9 for m in res.plan.slo.target)
@@ -165,24 +165,27 @@ def test_search_meets_every_target_on_core_held_out() -> None:
 
 @pytest.mark.slow
 def test_a_target_single_requests_cannot_meet_gets_a_real_verdict() -> None:
-    """phi-4 on core's nodes with a 600 ms TTFT SLO: its longest prompts cannot be prefilled in time on any
-    template, however many there are, so 99 % is out of reach and the verdict says so and names what is."""
+    """phi-4 on core's nodes with a 450 ms TTFT SLO: its longer prompts cannot be prefilled in time on any
+    template (the best serves 90.6 % of them alone), however many there are, so 99 % is out of reach: the plan
+    names the model latency-bound, and the verdict says so and names what is reachable. (At 600 ms the fastest
+    templates serve 99.7 % alone, and the latency rating now plans on them: 99 % is met there.)"""
     from coral.allocation.availability import resolve_availability
-    from coral.planning import allocatortoy_planner
+    from coral.planning import allocator_planner
     from coral.templates.build import build_library
 
     core = load_scenario("core")
-    phi = core.models[0].model_copy(update={"prefill_slo_ms": 600.0, "request_rate": 2.0, "slo_attainment": 0.99})
+    phi = core.models[0].model_copy(update={"prefill_slo_ms": 450.0, "request_rate": 2.0, "slo_attainment": 0.99})
     sc = core.model_copy(update={"name": "tight", "models": [phi], "epochs": 1, "epoch_minutes": 10})
     lib = build_library(sc, workers=1)
-    res = search_plan(allocatortoy_planner(lib, sc, resolve_availability(sc, lib)), sc,
+    res = search_plan(allocator_planner(lib, sc, resolve_availability(sc, lib)), sc,
                       SearchSettings(max_rounds=3, held_out_seeds=(1,)))
     assert res.plan is not None and res.plan.slo is not None and not res.met
     verdict = res.plan.slo.verdict["phi-4"]
     assert verdict.startswith("fail") and "even served alone" in verdict and "slo_attainment <=" in verdict
+    assert any(n.startswith("phi-4/prefill is latency-bound") for n in res.plan.solve.notes)
 
 
-def test_search_with_a_subsettoy_planner_is_never_dearer_than_the_subset_search() -> None:
+def test_search_with_a_subset_planner_is_never_dearer_than_the_subset_search() -> None:
     """A full planner whose plans are 10 % cheaper at equal demand but attain as if given 60 % of the capacity
     (the heterogeneous plans that priced throughput only): on its own its search ends 1.5x dearer than the
     subset's; searching the subset first keeps the subset's plan."""

@@ -104,7 +104,8 @@ def homo_ilp(library: TemplateLibrary, scenario: Scenario, *, demand: Mapping[De
     if availability is None:
         availability = resolve_availability(scenario, library, catalog)
     rows = homogeneous_rows(library)
-    sub = allocate(library.subset(rows), scenario, demand=demand, availability=availability, catalog=catalog,
+    # one subset object per library: what the allocator memoises per library (key rows, latency ratings) holds
+    sub = allocate(library.memo(("homogeneous subset",), lambda: library.subset(rows)), scenario, demand=demand, availability=availability, catalog=catalog,
                    mode=mode, time_limit=time_limit, gap=gap, method="homo-ilp")
     keys, dem, market = _setup(library, scenario, demand, availability, catalog)
     region = {r: i for i, r in enumerate(market.regions)}

@@ -14,9 +14,9 @@ its node throughput; the share is the paths' weighted mean):
 - decode: receive + (o − 1) × the pipeline's single-sequence cycle (sum of the stages' step times at batch 1, at
   the request's mean decode context) ≤ (o − 1) × the TPOT SLO (requests of one output token have no TPOT).
 
-Kept templates (`KeyLatency.kept`, the allocator's `allowed` columns). Latency misses of one phase may take at most a quarter of the model's allowed
-misses (1 − target), so both phases together take at most half and queueing keeps the rest: a template is kept
-when its share is ≥ 1 − (1 − target) / 4. A model none of whose templates reaches that is *latency-bound*:
+Kept templates (`KeyLatency.kept`, the allocator's `allowed` columns). Latency misses of one phase may take at
+most a quarter of the model's allowed misses (1 − target), so both phases together take at most half and
+queueing keeps the rest: a template is kept when its share is ≥ 1 − (1 − target) / 4. A model none of whose templates reaches that is *latency-bound*:
 only templates within a quarter allowance of its best share are kept, and the ceiling is reported
 (`LatencyBound`), since no capacity can lift attainment above what its requests reach served alone.
 """

@@ -84,7 +84,8 @@ def allocate_cmd(
     method: str = typer.Option("coral", help="coral | homo-greedy | homo-ilp | cauchy-paper"),
     availability_factor: float | None = typer.Option(None, help="headroom factor overriding the scenario's"),
     running: Path | None = typer.Option(None, help="previous plan JSON (scale-up penalty against it)"),
-    time_limit: float = typer.Option(30.0, help="solver time limit, s"),
+    time_limit: float = typer.Option(30.0, help="wall-clock safety net for the whole call, s (solves stop on "
+                                     "work limits; a plan it stopped says so)"),
     gap: float = typer.Option(1e-4, help="relative MIP gap"),
     fairness: float = typer.Option(0.5, help="goodput mode: every model keeps at least this share of the uniform "
                                    "max-min served fraction (0: pure SLO goodput)"),

@@ -183,9 +183,9 @@ def _availability(sc: Scenario, lib: TemplateLibrary, factor: float, catalog: Ca
 
 
 def exp_default(inputs: Inputs, judge: Judge | None, time_limit: float = 30.0) -> ExperimentResult:
-    """The default setting (core and extended): at the scenarios' availability (the headroom rule, derived from
-    Coral's own unlimited plan, so it offers few nodes of shapes Coral does not use) and with unlimited
-    availability (no such bias)."""
+    """The default setting (core and extended): at the headroom rule (its factor, 3 for the shipped scenarios,
+    which plan in the market now; derived from Coral's own unlimited plan, so it offers few nodes of shapes Coral
+    does not use) and with unlimited availability (no such bias)."""
     rows = []
     for name in ("core", "extended"):
         sc, cat, lib = inputs(name)

@@ -13,8 +13,8 @@ half the spread between its sets (`worst_of`).
 Per key the search keeps a bracket over the capacity planned (rounded up to whole instances, ÷ mean traffic):
 ``lo``, the largest seen too small (initially 1, the mean: a pool sized for the mean queues without bound under
 any burst), and ``hi``, the smallest seen sufficient. A model that
-meets its target with `margin` to spare (misses ≤ (1 − margin) × allowed) sets ``hi`` to its capacity on both of
-its keys; a model below it sets ``lo`` to its capacity on each phase that misses more than half its allowance (or
+meets its target with `margin` to spare (misses ≤ (1 − margin) × allowed) sets ``hi`` to its capacity (at most the
+headroom asked: asking for it again gets the same plan) on both of its keys; a model below it sets ``lo`` to its capacity on each phase that misses more than half its allowance (or
 on the worse phase). The next h is the geometric middle of the bracket once both ends were measured; with only ``hi``, h
 steps down by `SHRINK`; with only ``lo``, h grows by the square root of the miss ratio (×1.2 to ×3). A key
 whose bracket is within `tolerance` takes ``hi``. Attainment is not monotone in capacity (the allocator
@@ -27,8 +27,16 @@ is rounds, not seconds, so the same inputs give the same rounds and plan on an i
 decision of the search reads the clock. `time_budget_s` (default `default_budget_s`, 4x the seconds the rounds
 take on 2 cores) is a wall-clock safety net only, checked before each round; when it stops the search, or the
 allocator's own safety net stops a round's solve, `SearchResult.safety_net` and the plan's `slo.safety_net` say
-so, since the result then depends on the machine's speed and load. Then the chosen
-plan is scored on the held-out request sets (other seeds: other segments of the traces): a model's held-out
+so, since the result then depends on the machine's speed and load.
+
+Capacity only where it helps: a key that missed in three or more rounds while its capacity grew
+`UNRESPONSIVE_GROWTH`× since its first miss, with under `RESPONSE` of its phase's shortfall made up, stops
+drawing capacity (its bracket is settled where it stands) and the plan's notes say why: its misses are latency,
+not load. With a `subset` planner (Coral's search: the homogeneous ILP), the subset's own rounds run first and
+the cheapest passing plan of both is kept, so the result is never dearer than the subset's search.
+
+Then the chosen plan is scored on the held-out request sets (other seeds, reading the held-out half of every
+trace, which the tuning sets never read): a model's held-out
 attainment is over all their requests (one hour by default), its worst single set is recorded beside it. Each
 model gets a verdict on the held-out attainment: pass, or fail with the reason: single requests that miss even
 when served alone (the ceiling, measured by simulating the plan on a 2 % thinning of the held-out requests,
@@ -285,7 +293,9 @@ def _run_rounds(planner: Planner, scenario: Scenario, cfg: SearchSettings, start
             if ok[m]:
                 for k in model_keys:
                     b = brackets[k]
-                    b.hi = got.get(k, b.h)
+                    # asking for h again gets this plan, which passed: h is enough too (a method that plans far
+                    # more than asked, e.g. Cauchy's fixed prefill-decode units, must not drive h up after a pass)
+                    b.hi = min(got.get(k, b.h), b.h)
                     if b.lo >= b.hi:
                         b.lo, b.lo_seen = 1.0, False
             else:
@@ -364,7 +374,8 @@ def search_plan(
     start = headroom(scenario)
     trials: list[_Trial] = []
     if subset is not None:
-        say("first the subset planner's own search (the plan may not be dearer than its result)")
+        say("first the rounds of the subset's own search (Coral's: the homogeneous ILP's); the plan chosen is "
+            "never dearer than theirs")
         trials.append(_run_rounds(subset, scenario, cfg, start, evaluate, say, t0, max_rounds))
     trials.append(_run_rounds(planner, scenario, cfg, start, evaluate, say, t0, max_rounds,
                               sum(len(t.rounds) for t in trials)))
