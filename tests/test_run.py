@@ -16,7 +16,8 @@ from coral.simulation.metrics import SimResult
 
 
 def test_coral_run_writes_plans_simulation_and_report(tmp_path: Path) -> None:
-    res = CliRunner().invoke(app, ["run", "--out", str(tmp_path), "--duration", "600", "--budget", "15"])
+    res = CliRunner().invoke(app, ["run", "--out", str(tmp_path), "--duration", "600", "--rounds", "4",
+                                       "--allow-miss"])
     assert res.exit_code == 0, res.output
     folder = tmp_path / "run-core"
     summary = json.loads((folder / "summary.json").read_text())
