@@ -13,7 +13,7 @@ from coral.allocation.demand import TUNING_SEED, run_length_s, scenario_demand
 from coral.allocation.latency import RequestSample, model_latency, request_sample, scenario_latency
 from coral.allocation.plan import SolveReport
 from coral.catalog.loader import load_scenario, market_catalog
-from coral.perf.latency import chunked_prefill_s, handoff_s, handoff_side_s
+from coral.perf.latency import chunked_prefill_s, handoff_side_s
 from coral.perf.model import Phase
 from coral.planning.slo_search import simulator_evaluator
 from coral.simulation.run import simulate
@@ -28,8 +28,13 @@ def test_handoff_is_the_busiest_nic_of_either_side_solved_by_hand() -> None:
     # 1 MB of KV per layer. Prefill: 30 layers on a 10 GB/s node, 10 on a 1 GB/s node (10 ms); decode: 40 layers on
     # one 5 GB/s node (8 ms). Busiest NIC: the slow prefill node, 10 ms (the old rule sent all 40 decode layers over
     # the slowest prefill NIC: 40 ms).
-    assert handoff_s(1e6, ((30, 10 * GB), (10, 1 * GB)), ((40, 5 * GB),)) == pytest.approx(0.010)
-    assert handoff_s(1e6, ((40, 10 * GB),), ((20, 5 * GB), (20, 5 * GB))) == pytest.approx(0.004)
+    def handoff(send: list[tuple[int, float]], receive: list[tuple[int, float]]) -> float:
+        sides = [handoff_side_s(1e6, np.array([[n for n, _ in side]]), np.array([[b for _, b in side]]))
+                 for side in (send, receive)]
+        return float(max(sides[0][0], sides[1][0]))
+
+    assert handoff([(30, 10 * GB), (10, 1 * GB)], [(40, 5 * GB)]) == pytest.approx(0.010)
+    assert handoff([(40, 10 * GB)], [(20, 5 * GB), (20, 5 * GB)]) == pytest.approx(0.004)
     side = handoff_side_s(np.array([1e6, 2e6]), np.array([[30, 10, 0]]), np.array([[10 * GB, 1 * GB, 1.0]]))
     assert side == pytest.approx([0.010, 0.020])  # a slot without layers sends nothing, whatever its NIC
 

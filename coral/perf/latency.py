@@ -15,7 +15,8 @@ needs, on either side:
 (a bipartite transfer whose flows can share each link in any order finishes in the larger of the largest row
 and column load, and no earlier). The previous rule sent every decode stage's layers over the slowest NIC of the
 whole prefill pipeline, which charged a mixed pipeline for its slowest node as if that node held every layer.
-The two sides are independent, so each template can be charged its own side.
+The two sides are independent, so each template can be charged its own side (`handoff_side_s`); the
+simulator takes the larger side of the two paths a request uses.
 """
 
 from __future__ import annotations
@@ -32,14 +33,6 @@ def handoff_side_s(kv_bytes_per_layer: np.ndarray | float, node_layers: np.ndarr
     bytes per layer (broadcast against the leading axes)."""
     per_byte = np.where(node_layers > 0, node_layers / np.asarray(nic_bytes_s, dtype=float), 0.0).max(axis=-1)
     return np.asarray(per_byte * np.asarray(kv_bytes_per_layer, dtype=float))
-
-
-def handoff_s(kv_bytes_per_layer: float, send: tuple[tuple[int, float], ...], receive: tuple[tuple[int, float], ...]
-              ) -> float:
-    """Seconds to move one prompt's KV from the prefill nodes `send` to the decode nodes `receive`, each node
-    given as (layers it holds, NIC bytes/s) (module doc)."""
-    busiest = max((layers / nic for layers, nic in (*send, *receive) if layers > 0), default=0.0)
-    return kv_bytes_per_layer * busiest
 
 
 def chunked_prefill_s(first_chunk_s: np.ndarray, all_chunks_s: np.ndarray) -> np.ndarray:
