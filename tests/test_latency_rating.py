@@ -9,7 +9,7 @@ import pytest
 from coral.allocation import core
 from coral.allocation.allocator import InfeasibleDemand, allocate
 from coral.allocation.baselines import homo_ilp
-from coral.allocation.demand import TUNING_SEED, run_length_s, scenario_demand
+from coral.allocation.demand import TUNING_SEED, model_key, run_length_s, scenario_demand
 from coral.allocation.latency import RequestSample, model_latency, request_sample, scenario_latency
 from coral.allocation.plan import SolveReport
 from coral.catalog.loader import load_scenario, market_catalog
@@ -73,7 +73,7 @@ def test_rating_predicts_what_the_simulator_charges_a_request_served_alone(core_
     requests = thinned(workload_for(sc, run_length_s(sc), TUNING_SEED, part="tune"), 0.01, 5)[model]
     import coral.allocation.latency as latency
 
-    key = f"{sm.model_dump_json()}|{sc.trace_scaling}|{run_length_s(sc)}"
+    key = model_key(sc, sm)
     saved = latency._SAMPLES.get(key)
     latency._SAMPLES[key] = RequestSample(requests.input_tokens.astype(np.int64), requests.output_tokens.astype(np.int64))
     try:

@@ -143,6 +143,7 @@ def test_burst_rule_sizes_on_the_tuning_part_only(monkeypatch: pytest.MonkeyPatc
     for burst in (False, True):
         monkeypatch.setattr(traces, "_shipped", lambda _name, burst=burst: _trace(burst))
         monkeypatch.setattr(demand, "_BURST", {})
+        monkeypatch.setattr(demand, "_TUNING", {})
         got[burst] = demand.model_burst(sc, sm)
         # the whole trace does see the clump: the rule would size for it if it read the held-out part
         whole = workload_for(sc, demand.run_length_s(sc), demand.TUNING_SEED)[sm.model]

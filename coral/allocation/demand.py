@@ -26,7 +26,7 @@ from __future__ import annotations
 from coral.catalog.schema import Scenario, ScenarioModel
 from coral.perf.model import Phase
 from coral.workload.burst import burst_factors
-from coral.workload.traces import workload_for
+from coral.workload.traces import RequestSet, workload_for
 
 DemandKey = tuple[str, Phase]
 
@@ -61,16 +61,31 @@ def run_length_s(scenario: Scenario) -> float:
     return scenario.epochs * scenario.epoch_minutes * 60.0
 
 
+_TUNING: dict[str, RequestSet] = {}
 _BURST: dict[str, tuple[float, float]] = {}
+
+
+def model_key(scenario: Scenario, sm: ScenarioModel) -> str:
+    """What one model's tuning workload depends on, as a memo key."""
+    return f"{sm.model_dump_json()}|{scenario.trace_scaling}|{run_length_s(scenario)}"
+
+
+def tuning_requests(scenario: Scenario, sm: ScenarioModel) -> RequestSet:
+    """One model's tuning workload: its trace's tuning part at its rate, for the scenario's run length, seed
+    `TUNING_SEED` (memoised; the burst rule and the latency rating both read it)."""
+    key = model_key(scenario, sm)
+    if key not in _TUNING:
+        one = scenario.model_copy(update={"models": [sm]})
+        _TUNING[key] = workload_for(one, run_length_s(scenario), TUNING_SEED, part="tune")[sm.model]
+    return _TUNING[key]
 
 
 def model_burst(scenario: Scenario, sm: ScenarioModel) -> tuple[float, float]:
     """(prefill, decode) burst factors of one model's tuning workload at its attainment target (memoised)."""
-    key = f"{sm.model_dump_json()}|{scenario.trace_scaling}|{run_length_s(scenario)}"
+    key = model_key(scenario, sm)
     if key not in _BURST:
-        one = scenario.model_copy(update={"models": [sm]})
-        requests = workload_for(one, run_length_s(scenario), TUNING_SEED, part="tune")[sm.model]
-        _BURST[key] = burst_factors(requests, sm.prefill_slo_ms / 1e3, sm.decode_slo_ms / 1e3, sm.slo_attainment)
+        _BURST[key] = burst_factors(tuning_requests(scenario, sm), sm.prefill_slo_ms / 1e3, sm.decode_slo_ms / 1e3,
+                                    sm.slo_attainment)
     return _BURST[key]
 
 

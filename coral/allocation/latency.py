@@ -31,14 +31,13 @@ import numpy as np
 
 from coral.allocation.classes import library_perf
 from coral.allocation.core import key_rows
-from coral.allocation.demand import TUNING_SEED, run_length_s
+from coral.allocation.demand import model_key, tuning_requests
 from coral.catalog.loader import Catalog, NodeConfig
 from coral.catalog.schema import Scenario, ScenarioModel
 from coral.perf.latency import chunked_prefill_s, handoff_side_s, prefill_chunks_s
 from coral.perf.model import Phase, Workload
 from coral.perf.roofline import RooflineModel
 from coral.templates.library import TemplateLibrary
-from coral.workload.traces import workload_for
 
 SAMPLE = 384  # requests of the tuning workload each template is rated on
 CHUNK = 8192  # templates rated at once (memory: CHUNK × slots × SAMPLE floats)
@@ -56,10 +55,9 @@ _SAMPLES: dict[str, RequestSample] = {}
 
 def request_sample(scenario: Scenario, sm: ScenarioModel) -> RequestSample:
     """`SAMPLE` requests of the model's tuning workload, evenly spaced in arrival order (memoised)."""
-    key = f"{sm.model_dump_json()}|{scenario.trace_scaling}|{run_length_s(scenario)}"
+    key = model_key(scenario, sm)
     if key not in _SAMPLES:
-        one = scenario.model_copy(update={"models": [sm]})
-        req = workload_for(one, run_length_s(scenario), TUNING_SEED, part="tune")[sm.model]
+        req = tuning_requests(scenario, sm)
         idx = np.unique(np.linspace(0, max(len(req) - 1, 0), SAMPLE).astype(np.int64)) if len(req) else np.zeros(
             0, dtype=np.int64)
         _SAMPLES[key] = RequestSample(np.asarray(req.input_tokens)[idx].astype(np.int64),
@@ -138,7 +136,7 @@ def _slots(library: TemplateLibrary, rows: np.ndarray) -> _Slots:
 
 
 def _nic_bytes_s(library: TemplateLibrary, catalog: Catalog) -> np.ndarray:
-    return np.array([catalog.node_config(c).nic_gbps * 1e9 / 8 for c in library.configs])
+    return np.array([catalog.node_config(c).nic_bytes_s for c in library.configs])
 
 
 def _decode_cycle_terms(library: TemplateLibrary, catalog: Catalog, perf: RooflineModel, sm: ScenarioModel
@@ -264,8 +262,7 @@ def model_latency(library: TemplateLibrary, scenario: Scenario, sm: ScenarioMode
     if cache is None:
         cache = _CACHE[id(library)] = {}
         weakref.finalize(library, _CACHE.pop, id(library), None)
-    key = (sm.model_dump_json(), scenario.trace_scaling, run_length_s(scenario),
-           tuple(catalog.node_config(c).nic_gbps for c in library.configs))
+    key = (model_key(scenario, sm), tuple(catalog.node_config(c).nic_gbps for c in library.configs))
     if key in cache:
         return cache[key]
     perf = perf or library_perf(library)

@@ -86,6 +86,11 @@ class NodeConfig:
     def memory_gb(self) -> float:
         return self.gpu.memory_gb * self.count
 
+    @property
+    def nic_bytes_s(self) -> float:
+        """Network bandwidth in bytes/s (what KV hand-offs are charged at)."""
+        return self.nic_gbps * 1e9 / 8
+
 
 @dataclass(frozen=True)
 class Catalog:

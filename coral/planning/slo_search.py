@@ -362,8 +362,8 @@ def search_plan(
     requests, scored on held-out ones, with per-model verdicts (module doc). With `subset` (a planner over a
     subset of `planner`'s columns, e.g. the homogeneous templates), the search first runs the rounds `subset`'s
     own search would run, then `planner`'s, and keeps the cheapest plan of either that passed: never dearer
-    than the subset's search. (Continuing `planner`'s rounds from where the subset's ended found dearer plans
-    than its own start on core: $55.76/h against $54.70/h at 90 %, `benchmarks/equal_attainment.py`.)"""
+    than the subset's search. (`planner`'s rounds start from the burst factors, not from where the subset's
+    ended: in one version of this change, continuing from there found a dearer plan on core at 90 %.)"""
     cfg = settings or SearchSettings()
     t0 = time.perf_counter()
     say = progress or (lambda _: None)
@@ -399,7 +399,7 @@ def search_plan(
     best.slo.safety_net = net
     best.slo.notes += [f"{m}/{p.value} {why}" for (m, p), why in unresponsive.items()]
     if not chosen.passed:
-        best.slo.notes.append(missed_words(chosen, target, len(rounds), len(rounds)))
+        best.slo.notes.append(missed_words(chosen, target, len(rounds), max_rounds * len(trials)))
     return SearchResult(best, chosen.headroom, rounds, time.perf_counter() - t0, net, chosen.index)
 
 

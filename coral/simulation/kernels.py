@@ -121,6 +121,6 @@ class KernelCache:
             ctx_table=ctx_table,
             cap=cap,
             kv_tokens=kv if math.isfinite(kv) else 0.0,
-            nic_bytes_s=node.nic_gbps * 1e9 / 8,
+            nic_bytes_s=node.nic_bytes_s,
             gpus=node.count,
         )
