@@ -44,8 +44,8 @@ from rich.console import Console
 from rich.table import Table
 
 from coral.allocation import baselines, core, solver
-from coral.allocation.allocator import allocate
-from coral.allocation.availability import estimated_nodes, headroom_availability, resolve_availability
+from coral.allocation.allocator import allocate, estimated_nodes, resolve_availability
+from coral.allocation.availability import headroom_availability
 from coral.allocation.plan import Plan
 from coral.allocation.reference import plain_cost
 from coral.catalog.loader import Catalog, builtin_catalog, load_scenario

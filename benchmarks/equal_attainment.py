@@ -34,8 +34,8 @@ from rich.console import Console
 from rich.table import Table
 
 from coral.allocation import baselines
-from coral.allocation.allocator import allocate
-from coral.allocation.availability import market_availability, resolve_availability
+from coral.allocation.allocator import allocate, resolve_availability
+from coral.allocation.availability import market_availability
 from coral.allocation.demand import run_length_s
 from coral.allocation.plan import Plan
 from coral.catalog.loader import load_scenario, market_catalog

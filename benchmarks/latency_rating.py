@@ -22,8 +22,7 @@ from rich.console import Console
 from rich.table import Table
 
 from coral.allocation import baselines
-from coral.allocation.allocator import allocate
-from coral.allocation.availability import resolve_availability
+from coral.allocation.allocator import allocate, resolve_availability
 from coral.allocation.demand import run_length_s, scenario_demand
 from coral.allocation.latency import scenario_latency
 from coral.catalog.loader import load_scenario, market_catalog

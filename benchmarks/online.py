@@ -31,8 +31,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from coral.allocation.allocator import allocate
-from coral.allocation.availability import resolve_availability
+from coral.allocation.allocator import allocate, resolve_availability
 from coral.allocation.demand import run_length_s, scenario_traffic
 from coral.allocation.forecast import DemandForecaster, LatencyCorrection
 from coral.allocation.plan import Plan

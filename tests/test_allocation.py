@@ -464,7 +464,7 @@ def test_time_limit_returns_best_incumbent() -> None:
 
 
 def test_explicit_availability_and_bad_inputs() -> None:
-    from coral.allocation.availability import resolve_availability
+    from coral.allocation.allocator import resolve_availability
     from coral.catalog.loader import CoralInputError
 
     lib = random_library(1, ["a"])

@@ -9,8 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from coral.allocation import baselines
-from coral.allocation.allocator import UNLIMITED, allocate
-from coral.allocation.availability import resolve_availability
+from coral.allocation.allocator import UNLIMITED, allocate, resolve_availability
 from coral.catalog.loader import builtin_catalog
 from coral.catalog.schema import Scenario, ScenarioModel, TargetUtilization
 from coral.experiments.allocation import compare_plans, waterfall_rows

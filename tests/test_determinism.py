@@ -19,8 +19,7 @@ from toy_search import toy_evaluator, toy_planner, toy_scenario
 from typer.testing import CliRunner
 
 from coral.allocation import allocator, milp, solver
-from coral.allocation.allocator import allocate
-from coral.allocation.availability import resolve_availability
+from coral.allocation.allocator import allocate, resolve_availability
 from coral.allocation.demand import scenario_demand, scenario_traffic
 from coral.allocation.plan import Plan, SloCheck
 from coral.catalog.loader import load_scenario

@@ -89,7 +89,8 @@ def test_scarce_core_plans_in_every_mode_and_cost_mode_fits_its_own_cluster(out:
     """Issue 19's two cases on core: at availability × 0.5 every scarcity mode returns a plan (goodput used to
     raise although 60.9 % can be served) and goodput serves at least as much as max-min; on a fixed cluster of
     exactly the unlimited optimum's nodes, cost mode finds that optimum again."""
-    from coral.allocation.availability import estimated_nodes, headroom_availability
+    from coral.allocation.allocator import estimated_nodes
+    from coral.allocation.availability import headroom_availability
 
     sc, lib = load_scenario("core"), load_library("core", out)
     scarce = headroom_availability(sc, estimated_nodes(sc, lib), 0.5)

@@ -149,7 +149,7 @@ def test_unreachable_target_gets_a_verdict_that_says_why() -> None:
 
 @pytest.mark.slow
 def test_search_meets_every_target_on_core_held_out() -> None:
-    from coral.allocation.availability import resolve_availability
+    from coral.allocation.allocator import resolve_availability
     from coral.experiments.allocation import load_library
     from coral.planning import allocator_planner
 
@@ -169,7 +169,7 @@ def test_a_target_single_requests_cannot_meet_gets_a_real_verdict() -> None:
     template (the best serves 90.6 % of them alone), however many there are, so 99 % is out of reach: the plan
     names the model latency-bound, and the verdict says so and names what is reachable. (At 600 ms the fastest
     templates serve 99.7 % alone, and the latency rating now plans on them: 99 % is met there.)"""
-    from coral.allocation.availability import resolve_availability
+    from coral.allocation.allocator import resolve_availability
     from coral.planning import allocator_planner
     from coral.templates.build import build_library
 

@@ -209,7 +209,6 @@ def test_pipeline_throughput_shares_one_micro_batch() -> None:
 def test_library_fingerprint_names_what_changed_and_stale_libraries_are_rebuilt(tmp_path, monkeypatch, capsys):  # type: ignore[no-untyped-def]
     import json as json_
 
-    import coral.templates.build as build_mod
     from coral.catalog.loader import load_scenario as load_sc
     from coral.templates import store
 
@@ -226,7 +225,7 @@ def test_library_fingerprint_names_what_changed_and_stale_libraries_are_rebuilt(
         built.append(scenario.name)
         return TemplateLibrary.from_templates(["1xL4"], [], {"fingerprint": json_.dumps(store.fingerprint(scenario))})
 
-    monkeypatch.setattr(build_mod, "build_library", fake_build)
+    monkeypatch.setattr(store, "build_library", fake_build)
     lib.meta["fingerprint"] = json_.dumps({**store.fingerprint(sc), "perf": "old"})
     lib.save(tmp_path / "core.templates.sqlite")
     store.load_library("core", tmp_path)

@@ -1,7 +1,6 @@
 """The online stage: demand, availability, the allocation MILP, scarcity modes and baselines."""
 
-from coral.allocation.allocator import UNLIMITED, InfeasibleDemand, allocate
-from coral.allocation.availability import resolve_availability
+from coral.allocation.allocator import UNLIMITED, InfeasibleDemand, allocate, resolve_availability
 from coral.allocation.demand import phase_demand, scenario_demand
 from coral.allocation.plan import Plan
 

@@ -3,6 +3,7 @@ largest served fraction of demand (goodput mode) or the paper's uniform demand s
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from collections.abc import Mapping
@@ -12,6 +13,7 @@ from typing import Literal
 import numpy as np
 
 from coral.allocation import core, solver
+from coral.allocation.availability import headroom_availability, market_availability
 from coral.allocation.classes import KeyClasses, key_classes
 from coral.allocation.demand import DemandKey, scenario_demand
 from coral.allocation.latency import LatencyBound, latency_bound, scenario_latency
@@ -77,8 +79,6 @@ def _context(library: TemplateLibrary, scenario: Scenario, demand: Mapping[Deman
         if dem[keys.index((m, p))] > 0 and not len(core.key_rows(library, m, str(p), False)[0]):
             raise CoralInputError(f"demand: the template library has no templates for {m}/{p}")
     if availability is None:
-        from coral.allocation.availability import resolve_availability
-
         availability = resolve_availability(scenario, library, catalog)
     avail = None if availability == UNLIMITED else availability
     if isinstance(avail, str):
@@ -447,3 +447,35 @@ def _served_words(ctx: _Context, served: np.ndarray) -> str:
     total = float(ctx.demand.sum())
     got = float((served * ctx.demand).sum())
     return f"{got / total if total else 1.0:.1%} of demand served, least {served.min(initial=1.0):.1%}"
+
+
+def estimated_nodes(scenario: Scenario, library: TemplateLibrary, catalog: Catalog | None = None) -> dict[str, int]:
+    """Nodes per config in the cost-optimal plan with unlimited availability (E_c of `coral.allocation.availability`). Memoised per library
+    object, scenario and prices: a re-planner resolving availability every epoch solves it once."""
+    catalog = catalog or market_catalog(scenario)
+
+    def make() -> dict[str, int]:
+        plan = allocate(library, scenario, availability=UNLIMITED, catalog=catalog, time_limit=30.0, gap=1e-6)
+        out: dict[str, int] = {}
+        for inst in plan.instances:
+            for cfg, n in inst.counts.items():
+                out[cfg] = out.get(cfg, 0) + n
+        return out
+
+    prices = json.dumps({r: catalog.prices(r) for r in scenario.regions}, sort_keys=True)
+    return dict(library.memo(("estimated_nodes", scenario.model_dump_json(), prices), make))
+
+
+def resolve_availability(scenario: Scenario, library: TemplateLibrary, catalog: Catalog | None = None,
+                         factor: float | None = None) -> dict[str, dict[str, int]] | str:
+    """Node counts per region and config ("unlimited" for none): the scenario's explicit table, the market's
+    counts (`market_availability`), or the headroom rule (module doc). `factor` overrides the scenario's headroom
+    factor (and forces headroom mode)."""
+    if factor is None and isinstance(scenario.availability, dict):
+        return {r: dict(scenario.availability.get(r, {})) for r in scenario.regions}
+    if factor is None and scenario.availability == "market":
+        return market_availability(scenario, catalog)
+    if factor is None and scenario.availability == UNLIMITED:
+        return UNLIMITED
+    f = factor if factor is not None else getattr(scenario.availability, "factor", 3.0)
+    return headroom_availability(scenario, estimated_nodes(scenario, library, catalog), f, catalog)

@@ -1,6 +1,7 @@
 """Availability per (region, node config): explicit counts from the scenario, the market's (offerings with an
 `available` count; the shipped scenarios' default, unlimited where the offerings set none), unlimited, or
-derived from demand.
+derived from demand. (`coral.allocation.allocator.resolve_availability` picks among them: the headroom rule
+needs the allocator's own unlimited plan.)
 
 Headroom mode ({mode: headroom, factor: f}). The *estimated demand* E_c of node config c is the number of c
 nodes in the cost-optimal plan with unlimited availability (the nodes the cheapest plan would want). The market
@@ -15,32 +16,11 @@ built-in "scarce" experiments use it (f = 1.25 core, 1.75 extended), the shipped
 
 from __future__ import annotations
 
-import json
 import math
 
 from coral.allocation.core import UNLIMITED
 from coral.catalog.loader import Catalog, market_catalog
 from coral.catalog.schema import Scenario
-from coral.templates.library import TemplateLibrary
-
-
-def estimated_nodes(scenario: Scenario, library: TemplateLibrary, catalog: Catalog | None = None) -> dict[str, int]:
-    """Nodes per config in the cost-optimal plan with unlimited availability (E_c above). Memoised per library
-    object, scenario and prices: a re-planner resolving availability every epoch solves it once."""
-    from coral.allocation.allocator import allocate
-
-    catalog = catalog or market_catalog(scenario)
-
-    def make() -> dict[str, int]:
-        plan = allocate(library, scenario, availability=UNLIMITED, catalog=catalog, time_limit=30.0, gap=1e-6)
-        out: dict[str, int] = {}
-        for inst in plan.instances:
-            for cfg, n in inst.counts.items():
-                out[cfg] = out.get(cfg, 0) + n
-        return out
-
-    prices = json.dumps({r: catalog.prices(r) for r in scenario.regions}, sort_keys=True)
-    return dict(library.memo(("estimated_nodes", scenario.model_dump_json(), prices), make))
 
 
 def headroom_availability(scenario: Scenario, estimate: dict[str, int], factor: float,
@@ -77,18 +57,3 @@ def market_availability(scenario: Scenario, catalog: Catalog | None = None) -> d
             out[o.region][o.config] = have + o.available
             limited = True
     return out if limited else UNLIMITED
-
-
-def resolve_availability(scenario: Scenario, library: TemplateLibrary, catalog: Catalog | None = None,
-                         factor: float | None = None) -> dict[str, dict[str, int]] | str:
-    """Node counts per region and config ("unlimited" for none): the scenario's explicit table, the market's
-    counts (`market_availability`), or the headroom rule (module doc). `factor` overrides the scenario's headroom
-    factor (and forces headroom mode)."""
-    if factor is None and isinstance(scenario.availability, dict):
-        return {r: dict(scenario.availability.get(r, {})) for r in scenario.regions}
-    if factor is None and scenario.availability == "market":
-        return market_availability(scenario, catalog)
-    if factor is None and scenario.availability == UNLIMITED:
-        return UNLIMITED
-    f = factor if factor is not None else getattr(scenario.availability, "factor", 3.0)
-    return headroom_availability(scenario, estimated_nodes(scenario, library, catalog), f, catalog)

@@ -31,7 +31,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from coral.allocation import core, milp
-from coral.allocation.allocator import UNLIMITED, Mode, _keys_and_demand, allocate
+from coral.allocation.allocator import UNLIMITED, Mode, _keys_and_demand, allocate, resolve_availability
 from coral.allocation.demand import DemandKey
 from coral.allocation.plan import Plan, SolveReport
 from coral.catalog.loader import Catalog, CoralInputError, market_catalog
@@ -49,8 +49,6 @@ def _setup(library: TemplateLibrary, scenario: Scenario, demand: Mapping[DemandK
     catalog = catalog or market_catalog(scenario)
     keys, dem = _keys_and_demand(scenario, demand)
     if availability is None:
-        from coral.allocation.availability import resolve_availability
-
         availability = resolve_availability(scenario, library, catalog)
     avail = None if availability == UNLIMITED else availability
     if isinstance(avail, str):
@@ -98,8 +96,6 @@ def homo_ilp(library: TemplateLibrary, scenario: Scenario, *, demand: Mapping[De
              mode: Mode = "cost", time_limit: float = 30.0, gap: float = 1e-4) -> Plan:
     """Coral's allocation ILP over the homogeneous templates only (module doc); raises `InfeasibleDemand` like
     `allocate` in cost mode. Availability defaults to the scenario's, resolved with the full library."""
-    from coral.allocation.availability import resolve_availability
-
     catalog = catalog or market_catalog(scenario)
     if availability is None:
         availability = resolve_availability(scenario, library, catalog)

@@ -25,8 +25,14 @@ from typing import Any
 import numpy as np
 
 from coral.allocation import baselines
-from coral.allocation.allocator import UNLIMITED, InfeasibleDemand, allocate
-from coral.allocation.availability import estimated_nodes, headroom_availability, resolve_availability
+from coral.allocation.allocator import (
+    UNLIMITED,
+    InfeasibleDemand,
+    allocate,
+    estimated_nodes,
+    resolve_availability,
+)
+from coral.allocation.availability import headroom_availability
 from coral.allocation.demand import TUNING_SEED, DemandKey, run_length_s, scenario_demand
 from coral.allocation.plan import Plan
 from coral.catalog.loader import Catalog, builtin_catalog, scenario_and_market

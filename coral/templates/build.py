@@ -16,9 +16,9 @@ from coral.catalog.loader import Catalog, CoralInputError, NodeConfig, market_ca
 from coral.catalog.schema import ModelArch, Scenario
 from coral.perf.model import Phase, Workload
 from coral.perf.roofline import RooflineModel
+from coral.templates.fingerprint import fingerprint
 from coral.templates.library import Stage, TemplateLibrary, dominated_rows
 from coral.templates.placement import coupled_rates, set_partitions, solve_node_sets
-from coral.templates.store import fingerprint
 
 CHUNK = 8192
 ChunkTask = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]
