@@ -121,3 +121,26 @@ def test_cli_formats_parse_and_agree(market: Path, tmp_path: Path) -> None:
     assert json.loads(shipped.stdout)["matches_plan"] is False
     missing = runner.invoke(app, ["plan", "bom", str(tmp_path / "nope.json")])
     assert missing.exit_code == 2
+
+
+@pytest.mark.parametrize("named", ["/etc/passwd", "scenario-file"])
+def test_a_plan_never_makes_bom_open_a_path_it_names(market: Path, tmp_path: Path, named: str) -> None:
+    """A plan's scenario is looked up among the built-in scenarios only; a scenario file (here one whose offerings
+    price the plan exactly) is read only when the command line names it."""
+    from coral.catalog.loader import load_scenario
+
+    scenario_file = tmp_path / "mine.yaml"
+    doc = load_scenario("core").model_dump(mode="json", exclude_none=True)
+    scenario_file.write_text(yaml.safe_dump({**doc, "offerings": str(market)}))
+    plan = hand_plan()
+    plan.scenario = str(scenario_file) if named == "scenario-file" else named
+    assert plan_market(plan)[1] == "the shipped offerings"
+    plan_path = plan.save(tmp_path / "plan.json")
+    runner = CliRunner()
+    shipped = runner.invoke(app, ["plan", "bom", str(plan_path), "--format", "json"])
+    assert shipped.exit_code == 0 and json.loads(shipped.stdout)["offerings"] == "the shipped offerings"
+    named_here = runner.invoke(app, ["plan", "bom", str(plan_path), "--scenario", str(scenario_file), "--format",
+                                     "json"])
+    assert named_here.exit_code == 0, named_here.output
+    bom = json.loads(named_here.stdout)
+    assert bom["offerings"] == str(market.resolve()) and bom["matches_plan"] is True

@@ -18,8 +18,9 @@ from typer.testing import CliRunner
 from coral.catalog.loader import CoralInputError, builtin_catalog
 from coral.catalog.schema import ModelArch
 from coral.cli.main import app
+from coral.deploy.common import dns_name
 from coral.deploy.endpoints import EndpointsFile
-from coral.deploy.render import TARGETS, dns_name, launchable, render
+from coral.deploy.render import TARGETS, launchable, render
 from coral.deploy.schemas import validate_manifest
 from coral.deploy.vllm import (
     KV_TRANSFER_CONFIG,
@@ -336,6 +337,17 @@ def test_deploy_cli(tmp_path):
         app, ["deploy", "--plan", str(tmp_path / "nope.json"), "--target", "kubernetes", "--out", str(out)]
     )
     assert r.exit_code == 2
+
+
+@pytest.mark.parametrize("target", [["--target", "commands"],
+                                    ["--target", "kuberay", "--engine", "coral", "--checkpoint", "/ckpt"]])
+def test_a_plan_without_instances_is_refused(tmp_path, target):
+    path = make_plan([], scenario="core").save(tmp_path / "plan.json")
+    out = tmp_path / "out"
+    r = CliRunner().invoke(app, ["deploy", "--plan", str(path), *target, "--out", str(out)])
+    assert r.exit_code == 2 and "nothing to deploy" in r.output and not out.exists()
+    with pytest.raises(CoralInputError, match="instances: the plan has none"):
+        render(make_plan([], scenario="core"), "commands", out)
 
 
 def test_deploy_fails_and_writes_nothing_when_a_phase_is_left_uncovered(tmp_path):

@@ -90,7 +90,8 @@ def test_kuberay_one_worker_group_per_node_config(tmp_path):
     assert head["rayStartParams"] == {"dashboard-host": "0.0.0.0", "num-gpus": "0"}
     assert head["template"]["metadata"]["annotations"] == {"ray.io/overwrite-container-cmd": "true"}
     (ctr,) = head["template"]["spec"]["containers"]
-    script = ctr["args"][0]
+    assert ctr["args"][0].count("$") == 2 * ctr["args"][0].count("$$")  # every dollar escaped for the kubelet
+    script = ctr["args"][0].replace("$$", "$")
     assert '/bin/bash -c "$KUBERAY_GEN_RAY_START_CMD" &' in script
     (serve,) = [ln for ln in script.splitlines() if ln.startswith("coral serve")]
     assert shlex.split(serve.removesuffix(" &")) == serve_argv("core", CKPT) == [

@@ -5,19 +5,15 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from coral.catalog.loader import load_file
+from coral.catalog.schema import SafeName
 
 PLAN_SCHEMA_VERSION = 1
-
-SAFE_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:+-]{0,127}$"
-SafeName = Annotated[str, Field(pattern=SAFE_NAME_PATTERN)]
-"""Ids and names rendered into scripts, manifests and metric labels: 1-128 characters, a letter or digit first,
-then letters, digits and `. _ : + -` (no whitespace, quotes or shell metacharacters)."""
 
 
 class _PlanModel(BaseModel):

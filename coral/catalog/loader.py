@@ -53,7 +53,9 @@ def format_validation_error(source: str, exc: ValidationError) -> str:
     lines = [f"{source}: invalid input"]
     for err in exc.errors():
         where = ".".join(str(p) for p in err["loc"]) or "(top level)"
-        lines.append(f"  {where}: {err['msg']}")
+        got = err.get("input")
+        shown = f" (got {got!r:.80})" if isinstance(got, int | float | str) else ""
+        lines.append(f"  {where}: {err['msg']}{shown}")
     return "\n".join(lines)
 
 
@@ -276,6 +278,7 @@ def model_from_hf_config(name: str, config: dict[str, Any], **overrides: Any) ->
         "layer_types": cfg.get("layer_types"),
         "dtype": "float16" if cfg.get("torch_dtype") == "float16" else "bfloat16",
         "hf_id": cfg.get("_name_or_path", ""),
+        "model_type": cfg.get("model_type", ""),
     }
     fields.update(overrides)
     return validate(ModelArch, {"name": name, **fields}, f"config.json of {name}")

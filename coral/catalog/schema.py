@@ -2,11 +2,32 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import math
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 SCHEMA_VERSION = 1
+
+SAFE_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:+-]{0,127}$"
+SafeName = Annotated[str, Field(pattern=SAFE_NAME_PATTERN)]
+"""Ids and names rendered into scripts, manifests and metric labels: 1-128 characters, a letter or digit first,
+then letters, digits and `. _ : + -` (no whitespace, quotes or shell metacharacters)."""
+
+# Bounds on what a scenario may ask for, far above the built-in scenarios and the paper's settings (extended: 6
+# models, 20 configs, 3 regions, 5 epochs of 6 minutes, 150 requests/s in all), so that a scenario file cannot make
+# a run take unbounded memory or time.
+MAX_SCENARIO_MODELS = 256  # the scale benchmark plans 48 models; 256 keeps far clear of it
+MAX_SCENARIO_REGIONS = 64
+MAX_SCENARIO_CONFIGS = 64
+MAX_REQUEST_CLASSES = 16
+MAX_EPOCHS = 1000
+MAX_EPOCH_MINUTES = 24 * 60
+MAX_NODE_SETS = 5_000_000
+"""Node multisets of up to `n_max` nodes over the configs, per (model, phase) (extended: 230,229)."""
+MAX_RUN_REQUESTS = 10_000_000
+"""Requests one run of the scenario simulates: total request rate x epochs x epoch length (extended: 270,000)."""
+MAX_SCHEDULE_STEPS = 10_000
 
 
 class _Strict(BaseModel):
@@ -98,6 +119,7 @@ class ModelArch(_Strict):
 
     name: str = Field(min_length=1)
     hf_id: str = ""
+    model_type: str = Field(default="", description="the config's architecture (phi3, qwen3_moe, gpt_oss, ...)")
     num_hidden_layers: int = Field(gt=0)
     hidden_size: int = Field(gt=0)
     num_attention_heads: int = Field(gt=0)
@@ -105,6 +127,9 @@ class ModelArch(_Strict):
     head_dim: int | None = Field(default=None, gt=0)
     intermediate_size: int = Field(gt=0, description="dense MLP width (unused for pure-MoE layers)")
     vocab_size: int = Field(gt=0)
+    max_position_embeddings: int | None = Field(
+        default=None, gt=0, description="context length in tokens (prompt + output; config.json, as `source` cites); "
+        "None: unknown (the gateway bounds prompts by its global `max_prompt_tokens`)")
     tie_word_embeddings: bool = False
     num_experts: int = Field(default=0, ge=0)
     num_experts_per_tok: int = Field(default=0, ge=0)
@@ -150,7 +175,7 @@ class RequestClass(_Strict):
     share: float = Field(gt=0, le=1, description="fraction of the model's requests")
     mean_input_tokens: float = Field(gt=0)
     mean_output_tokens: float = Field(gt=0)
-    name: str = ""
+    name: str = Field(default="", max_length=128)
     max_input_tokens: float | None = Field(
         default=None, gt=0, description="longest prompt routed to this class (default: halfway to the next class's "
         "mean; the longest class takes the rest)")
@@ -171,7 +196,9 @@ class ScenarioModel(_Strict):
         description="fraction of the model's requests that must meet both its TTFT and TPOT SLOs; plans are "
         "sized and checked for it (coral.planning)")
     priority: float = Field(default=1.0, gt=0)
-    request_classes: Literal["auto", "off"] | list[RequestClass] = Field(
+    request_classes: Literal["auto", "off"] | Annotated[
+        list[RequestClass], Field(max_length=MAX_REQUEST_CLASSES)
+    ] = Field(
         default="off",
         description="request-length classes planned separately (a template's capacity is shared by classes, each "
         "rated at its own lengths): 'off' (default) = one class with the mean lengths, 'auto' = prompt-length "
@@ -194,7 +221,7 @@ class AvailabilityHeadroom(_Strict):
     """Availability derived from demand: enough nodes of every offered config for `factor` x the demand."""
 
     mode: Literal["headroom"] = "headroom"
-    factor: float = Field(gt=0)
+    factor: float = Field(gt=0, le=100)
 
 
 class AvailabilityStep(_Strict):
@@ -213,7 +240,7 @@ class AvailabilitySchedule(_Strict):
     counts and prices."""
 
     schema_version: Literal[1] = 1
-    steps: list[AvailabilityStep] = Field(min_length=1)
+    steps: list[AvailabilityStep] = Field(min_length=1, max_length=MAX_SCHEDULE_STEPS)
 
     @model_validator(mode="after")
     def _sorted(self) -> AvailabilitySchedule:
@@ -264,14 +291,15 @@ class TargetUtilization(_Strict):
 
 class Scenario(_Strict):
     schema_version: Literal[1] = 1
-    name: str
-    description: str = ""
-    regions: list[str] = Field(min_length=1)
+    name: SafeName = Field(description="the scenario's name: plans, files and deployments are named after it")
+    description: str = Field(default="", max_length=2000)
+    regions: list[str] = Field(min_length=1, max_length=MAX_SCENARIO_REGIONS)
     offerings: str | None = Field(
         default=None, description="offerings file (the schema of coral/data/offerings.yaml) replacing the shipped "
         "market for this scenario: prices, instance types, regions; relative to the scenario file")
-    configs: list[str] = Field(min_length=1, description="node configs, e.g. '2xL40S'")
-    models: list[ScenarioModel] = Field(min_length=1)
+    configs: list[str] = Field(min_length=1, max_length=MAX_SCENARIO_CONFIGS,
+                               description="node configs, e.g. '2xL40S'")
+    models: list[ScenarioModel] = Field(min_length=1, max_length=MAX_SCENARIO_MODELS)
     availability: dict[str, dict[str, int]] | AvailabilityHeadroom | Literal["market", "unlimited"] = Field(
         description="explicit node counts per region and config; 'market': the offerings' `available` counts "
         "(an offering without one: unlimited); 'unlimited'; or a headroom rule (derived from the cheapest "
@@ -292,8 +320,8 @@ class Scenario(_Strict):
     n_max: int = Field(default=6, ge=1, le=8)
     rho: float = Field(default=12.0, gt=1)
     init_penalty_k: float = Field(default=0.1, ge=0, description="node init time / adjustment interval")
-    epoch_minutes: float = Field(default=6.0, gt=0)
-    epochs: int = Field(default=5, ge=1)
+    epoch_minutes: float = Field(default=6.0, gt=0, le=MAX_EPOCH_MINUTES)
+    epochs: int = Field(default=5, ge=1, le=MAX_EPOCHS)
 
     @field_validator("regions")
     @classmethod
@@ -333,6 +361,22 @@ class Scenario(_Strict):
         names = [m.model for m in self.models]
         if len(set(names)) != len(names):
             raise ValueError("models: each model may appear once")
+        return self
+
+    @model_validator(mode="after")
+    def _size(self) -> Scenario:
+        """Refuse a scenario whose template library or simulated run would be out of all proportion."""
+        sets = math.comb(len(self.configs) + self.n_max, self.n_max) - 1
+        if sets > MAX_NODE_SETS:
+            raise ValueError(f"configs, n_max: {len(self.configs)} configs with n_max {self.n_max} make {sets:,} node "
+                             f"sets per model and phase, more than the {MAX_NODE_SETS:,} allowed: list fewer configs "
+                             "or lower n_max")
+        rate = sum(m.request_rate for m in self.models)
+        requests = rate * self.epochs * self.epoch_minutes * 60.0
+        if requests > MAX_RUN_REQUESTS:
+            raise ValueError(f"models.request_rate, epochs, epoch_minutes: a run of {self.epochs} epochs of "
+                             f"{self.epoch_minutes:g} minutes at {rate:g} requests/s simulates {requests:,.0f} "
+                             f"requests, more than the {MAX_RUN_REQUESTS:,} allowed")
         return self
 
 

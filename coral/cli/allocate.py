@@ -14,6 +14,7 @@ from coral.cli.common import (
     ENGINE_HELP,
     JSON_HELP,
     OFFERINGS_HELP,
+    check_out_folder,
     console,
     friendly_errors,
     out_console,
@@ -97,8 +98,7 @@ def allocate_cmd(
 ) -> None:
     """Plan instances per (template, region) for the scenario's demand."""
     from coral.allocation import baselines
-    from coral.allocation.allocator import MODES, allocate
-    from coral.allocation.availability import resolve_availability
+    from coral.allocation.allocator import MODES, allocate, resolve_availability
     from coral.allocation.plan import Plan
     from coral.report.terminal import solve_line, solver_in_words
     from coral.templates.engines import engine_library
@@ -106,6 +106,7 @@ def allocate_cmd(
 
     if mode not in MODES:
         raise CoralInputError(f"--mode: must be one of {', '.join(MODES)}, not {mode!r}")
+    check_out_folder(out)
     t0 = time.perf_counter()
     sc, cat = scenario_and_market(scenario, offerings)
     engine = "vllm" if target else engine  # every deploy target launches stock vLLM
@@ -188,6 +189,7 @@ def experiment_cmd(
     chosen = target or scenario
     if chosen and name not in ("epochs", "waterfall"):
         raise CoralInputError(f"experiment {name!r} takes no scenario (only epochs and waterfall do)")
+    check_out_folder(out)
     t0 = time.perf_counter()
     options: dict[str, Any] = {"scenario": chosen} if chosen else {}
     result = run_experiment(name, out, time_limit, offerings=offerings, **options)

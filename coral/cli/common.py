@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from coral.catalog.loader import CoralInputError
 
@@ -53,7 +54,7 @@ def friendly_errors(fn: F) -> F:
         try:
             return fn(*args, **kwargs)
         except CoralInputError as exc:
-            err_console.print(f"[bold red]error:[/] {exc}")
+            err_console.print(f"[bold red]error:[/] {escape(str(exc))}")
             raise typer.Exit(code=2) from None
 
     return wrapper  # type: ignore[return-value]
@@ -91,6 +92,24 @@ def _plain(value: Any) -> Any:
 
 
 JSON_HELP = "print the result as one JSON document on stdout (progress and notes go to stderr)"
+
+
+def check_out_folder(path: Path, flag: str = "--out") -> None:
+    """CoralInputError naming `flag` unless `path` is a folder or can be made one: neither it nor a folder above
+    it is a file. Checked before any work, so a bad output path fails at once."""
+    for p in (path, *path.parents):
+        if p.exists():
+            if p.is_dir():
+                return
+            raise CoralInputError(f"{flag}: {path} is a file, not a folder" if p == path
+                                  else f"{flag}: cannot make folder {path}: {p} is a file")
+
+
+def check_out_file(path: Path, flag: str = "--out") -> None:
+    """CoralInputError naming `flag` unless `path` can be written as a file (not a folder; its folder can be made)."""
+    if path.is_dir():
+        raise CoralInputError(f"{flag}: {path} is a folder, not a file")
+    check_out_folder(path.parent, flag)
 
 
 def library_path(scenario: str, out: Path = DEFAULT_OUT) -> Path:

@@ -3,6 +3,7 @@ for stock vLLM or the Coral engine."""
 
 from __future__ import annotations
 
+import shlex
 from collections import defaultdict
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
@@ -10,7 +11,7 @@ from typing import TYPE_CHECKING, cast
 import typer
 
 from coral.catalog.loader import CoralInputError
-from coral.cli.common import DEFAULT_OUT, console, friendly_errors
+from coral.cli.common import DEFAULT_OUT, check_out_folder, console, friendly_errors
 
 if TYPE_CHECKING:
     from coral.allocation.plan import Plan
@@ -49,8 +50,9 @@ def plan_file_name(scenario: str, mode: str, method: str, engine: str, target: s
 def replan_command(plan: Plan, target: str) -> str:
     """The command that makes a plan like `plan` (same scenario, mode and planning method) that `target`
     launches, and the file it writes."""
+    scenario = shlex.quote(plan.scenario)  # the plan's own text: shown as one shell word, for copying
     if plan.slo is not None:  # searched with the simulator in the loop: `coral run`
-        return (f"`coral run {plan.scenario} --target {target}` (writes "
+        return (f"`coral run {scenario} --target {target}` (writes "
                 f"{DEFAULT_OUT}/run-{plan.scenario}/plan.{plan.mode}.{plan.method}.json)")
     from coral.experiments.allocation import METHODS
 
@@ -58,7 +60,7 @@ def replan_command(plan: Plan, target: str) -> str:
     flags = ([f"--mode {plan.mode}"] if plan.mode != "cost" else []) + (
         [f"--method {method}"] if method != "coral" else [])
     name = plan_file_name(plan.scenario, plan.mode, method, "vllm", target)
-    return f"`{' '.join(['coral allocate', plan.scenario, *flags, '--target', target])}` (writes {DEFAULT_OUT}/{name})"
+    return f"`{' '.join(['coral allocate', scenario, *flags, '--target', target])}` (writes {DEFAULT_OUT}/{name})"
 
 
 def replan_advice(plan: Plan, target: str) -> str:
@@ -94,6 +96,7 @@ def register(app: typer.Typer) -> None:
 
         Fails, writing nothing, when a (model, phase) of the plan would be left with no launchable instance.
         A plan made with `--target` for this target is always launched whole."""
+        from rich.markup import escape
         from rich.table import Table
 
         from coral.allocation.plan import Plan
@@ -116,6 +119,7 @@ def register(app: typer.Typer) -> None:
                                   + (" (kuberay: --engine coral)" if target == "kuberay" else ""))
         elif checkpoint is not None:
             raise CoralInputError("--checkpoint: only with --engine coral (stock vLLM loads the model by name)")
+        check_out_folder(out)
         p = Plan.load(plan)
         catalog = builtin_catalog()
         check_plan(p, catalog, f"--plan {plan}")
@@ -145,7 +149,7 @@ def register(app: typer.Typer) -> None:
             if strict:
                 raise CoralInputError(f"--strict: {len(skipped)} instance(s) cannot be rendered ({detail}). "
                                       f"{advice()}")
-            console.print(f"[yellow]warning[/]: planned capacity is reduced: {detail}. {advice()}")
+            console.print(f"[yellow]warning[/]: {escape(f'planned capacity is reduced: {detail}. {advice()}')}")
         res = render(p, target, out, catalog, image=image, engine=engine, checkpoint=checkpoint)
         console.print(f"[green]wrote[/] {len(res.files)} file(s) to {out} (index.json lists them)")
         steps = CORAL_NEXT_STEP if engine == "coral" else NEXT_STEP

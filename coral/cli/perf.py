@@ -12,7 +12,7 @@ import yaml
 from coral import vllm_cpu
 from coral.catalog.loader import CoralInputError, builtin_catalog, data_path
 from coral.catalog.schema import parse_config_name
-from coral.cli.common import console, friendly_errors
+from coral.cli.common import check_out_file, check_out_folder, console, friendly_errors
 
 if TYPE_CHECKING:
     from coral.perf import Phase
@@ -86,6 +86,7 @@ def calibrate_cmd(
     from coral.perf.measured import EFFICIENCY_BOUNDS, ProfileSet, calibrate, error_summary, relative_errors
     from coral.report.terminal import FoldingTable
 
+    check_out_file(out)
     folder = profiles or data_path("profiles", "helix-llama2-70b")
     mapping = {}
     for item in folder_map:
@@ -148,6 +149,7 @@ def profile_cmd(
     """Measure per-layer prefill/decode times with vLLM on this machine (writes Helix-layout CSVs)."""
     from coral.perf.profiler import ProfileSpec, profile, subprocess_launcher
 
+    check_out_folder(out)
     _, gpus = parse_config_name(config)
     if model_id is None:
         if model is None:

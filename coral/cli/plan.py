@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import typer
 
-from coral.cli.common import console, err_console, friendly_errors
+from coral.cli.common import check_out_file, console, err_console, friendly_errors
 
 if TYPE_CHECKING:
     from coral.deploy.bom import BillOfMaterials
@@ -29,10 +29,12 @@ def register(app: typer.Typer) -> None:
 
 
 def bom_table(bom: BillOfMaterials) -> FoldingTable:
-    """The bill as a rich table with the total in its footer."""
+    """The bill as a rich table with the total in its footer (the plan's names shown as text, never as markup)."""
+    from rich.markup import escape
+
     from coral.report.terminal import FoldingTable
 
-    table = FoldingTable(title=f"What to rent: {bom.scenario} · {bom.method} (prices: {bom.offerings})",
+    table = FoldingTable(title=escape(f"What to rent: {bom.scenario} · {bom.method} (prices: {bom.offerings})"),
                          show_footer=True)
     for col, footer in (("cloud", "total"), ("region", ""), ("instance type", ""), ("GPU × per node", "")):
         table.add_column(col, footer=footer)
@@ -53,8 +55,12 @@ def bom_table(bom: BillOfMaterials) -> FoldingTable:
 def bom_cmd(
     plan: Path = typer.Argument(..., help="plan JSON (from `coral allocate`)"),
     offerings: Path | None = typer.Option(
-        None, "--offerings", help="offerings file to price at (default: the plan's scenario's, else the shipped one)"
+        None, "--offerings", help="offerings file to price at (default: --scenario's, else the plan's scenario's when "
+        "it is a built-in one, else the shipped one)"
     ),
+    scenario: str | None = typer.Option(
+        None, "--scenario", help="built-in scenario name or scenario file whose offerings to price at (a plan's own "
+        "scenario is looked up among the built-in ones only)"),
     fmt: BomFormat = typer.Option(BomFormat.table, "--format", help="table | csv | json"),
     out: Path | None = typer.Option(None, "--out", "-o", help="write the bill here instead of printing it"),
 ) -> None:
@@ -64,8 +70,10 @@ def bom_cmd(
     from coral.allocation.plan import Plan
     from coral.deploy.bom import bill_of_materials, plan_market
 
+    if out is not None:
+        check_out_file(out)
     the_plan = Plan.load(plan)
-    catalog, source = plan_market(the_plan, offerings)
+    catalog, source = plan_market(the_plan, offerings, scenario)
     bom = bill_of_materials(the_plan, catalog, source)
     if fmt is BomFormat.table:
         if out is None:

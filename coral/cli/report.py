@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from coral.cli.common import DEFAULT_OUT, console, friendly_errors
+from coral.cli.common import DEFAULT_OUT, check_out_file, console, friendly_errors
 
 
 @friendly_errors
@@ -39,6 +39,7 @@ def report(
     from coral.report.terminal import print_comparison, print_inputs, print_plan
     from coral.report.view import mismatch_notes
 
+    check_out_file(out)
     if example:
         from coral.report.examples import example_baseline, example_inputs, example_plan
 

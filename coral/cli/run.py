@@ -18,6 +18,7 @@ from coral.cli.common import (
     ENGINE_HELP,
     JSON_HELP,
     OFFERINGS_HELP,
+    check_out_folder,
     err_console,
     friendly_errors,
     out_console,
@@ -68,8 +69,7 @@ def run_cmd(
     requests, or a model fails on held-out ones) the run says so on stderr and in summary.json and the plan,
     and exits 3 unless --allow-miss; a wall-clock safety net that stopped a search or a solve is reported too."""
     from coral.allocation import baselines as base
-    from coral.allocation.allocator import allocate
-    from coral.allocation.availability import resolve_availability
+    from coral.allocation.allocator import allocate, resolve_availability
     from coral.allocation.demand import run_length_s
     from coral.allocation.forecast import DemandForecaster, LatencyCorrection
     from coral.perf.model import Phase
@@ -87,6 +87,7 @@ def run_cmd(
 
     if baselines not in ("searched", "same-headroom", "none"):
         raise CoralInputError(f"--baselines: must be searched, same-headroom or none, not {baselines!r}")
+    check_out_folder(out)
     t_start = time.perf_counter()
     console = out_console(as_json)
     sc, cat = scenario_and_market(scenario, offerings)

@@ -15,6 +15,7 @@ from coral.cli.common import (
     DEFAULT_OUT,
     JSON_HELP,
     OFFERINGS_HELP,
+    check_out_folder,
     friendly_errors,
     out_console,
     print_json,
@@ -130,6 +131,7 @@ def simulate_cmd(
         raise CoralInputError(f"--router must be wrr, lor or both, not {router!r}")
     if kv_reserve not in ("mean", "max"):
         raise CoralInputError(f"--kv-reserve must be mean or max, not {kv_reserve!r}")
+    check_out_folder(out)
     say = out_console(as_json)
     sc, cat = scenario_and_market(scenario, offerings)
     duration_s = duration or sc.epochs * sc.epoch_minutes * 60.0

@@ -13,6 +13,7 @@ from coral.catalog.loader import CoralInputError, builtin_catalog, load_scenario
 from coral.cli.common import (
     DEFAULT_OUT,
     OFFERINGS_HELP,
+    check_out_folder,
     console,
     err_console,
     friendly_errors,
@@ -42,6 +43,7 @@ def build_cmd(
     from coral.report.terminal import FoldingTable, progress
     from coral.templates.build import build_library
 
+    check_out_folder(out)
     t0 = time.perf_counter()
     sc, cat = scenario_and_market(scenario, offerings)
     perf = RooflineModel(PerfParams.load(perf_params) if perf_params else None)

@@ -2,7 +2,7 @@
 
 Every node of every plan instance is one rented instance: its node config ('2xL40S') in its region maps to the
 cheapest offering of that config there (the offering the allocator priced it with, `Catalog.prices`, and the one
-`coral deploy` launches, `coral.deploy.render.offering`). Rows group identical offerings; their total equals the
+`coral deploy` launches, `coral.deploy.common.offering`). Rows group identical offerings; their total equals the
 plan's `cost_per_hour` when the plan was priced from the same offerings, and the bill says so when it was not.
 """
 
@@ -20,12 +20,14 @@ from coral.catalog.loader import (
     Catalog,
     CoralInputError,
     builtin_catalog,
+    builtin_scenarios,
+    data_path,
     load_offerings,
     load_scenario,
     market_catalog,
 )
 from coral.catalog.schema import NodeOffering
-from coral.deploy.render import offering
+from coral.deploy.common import offering
 
 CSV_COLUMNS = (
     "cloud", "region", "instance_type", "gpu", "gpus_per_node", "count", "price_per_hour", "total_per_hour", "instances",
@@ -128,16 +130,21 @@ def bill_of_materials(plan: Plan, catalog: Catalog, source: str = "the shipped o
     )
 
 
-def plan_market(plan: Plan, offerings: Path | None = None) -> tuple[Catalog, str]:
-    """The offerings to price `plan` at, and where they come from: `offerings` when given, else those of the
-    plan's scenario (its `offerings` file, when it is a built-in scenario or a file that has one), else the
-    shipped ones."""
+def plan_market(
+    plan: Plan, offerings: Path | None = None, scenario: str | Path | None = None
+) -> tuple[Catalog, str]:
+    """The offerings to price `plan` at, and where they come from: `offerings` when given, else the `offerings`
+    file of `scenario` (a built-in scenario name or a scenario file the caller names), else of the plan's
+    scenario when it names a built-in one, else the shipped ones. The plan's `scenario` is never read as a path:
+    a plan file must not make its reader open other files."""
     if offerings is not None:
         return load_offerings(offerings), str(offerings)
-    try:
-        scenario = load_scenario(plan.scenario)
-    except CoralInputError:
+    if scenario is not None:
+        sc = load_scenario(scenario)
+    elif plan.scenario in builtin_scenarios():
+        sc = load_scenario(data_path("scenarios", f"{plan.scenario}.yaml"))
+    else:
         return builtin_catalog(), "the shipped offerings"
-    if scenario.offerings is None:
+    if sc.offerings is None:
         return builtin_catalog(), "the shipped offerings"
-    return market_catalog(scenario), str(scenario.offerings)
+    return market_catalog(sc), str(sc.offerings)

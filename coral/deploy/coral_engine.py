@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import re
-import shlex
 from collections import Counter
 from pathlib import Path
 from typing import Any, Literal
@@ -34,7 +33,7 @@ from typing import Any, Literal
 from coral.allocation.plan import Plan, PlanInstance
 from coral.catalog.loader import Catalog, CoralInputError
 from coral.catalog.schema import parse_config_name
-from coral.deploy.render import (
+from coral.deploy.common import (
     READINESS_DELAY_S,
     SKY_NODE_ADDR,
     RenderResult,
@@ -47,7 +46,15 @@ from coral.deploy.render import (
     uncovered_keys,
     writer,
 )
-from coral.deploy.vllm import HEAD_ADDR_VAR, NODE_ADDR_VAR
+from coral.deploy.shell import (
+    HEAD_ADDR_VAR,
+    NODE_ADDR_VAR,
+    PLAN_VAR,
+    SCHEDULER_ADDR_VAR,
+    SKY_RANK_VAR,
+    k8s_literal,
+    sh_line,
+)
 from coral.templates.engines import DEPLOY_TARGETS, node_resource
 
 CoralTarget = Literal["kuberay", "kubernetes", "skypilot", "commands"]
@@ -60,8 +67,6 @@ HTTP_PORT = 8000  # an instance's scheduler: OpenAI API
 RESULTS_PORT = 5555  # the scheduler's results socket (nodes push finished tokens to it)
 RDZV_PORT = 29500  # torch.distributed rendezvous, on node 0
 GATEWAY_PORT = 8080  # `coral serve` on the Ray head
-SCHEDULER_ADDR_VAR = "CORAL_SCHEDULER_ADDR"
-PLAN_VAR = "CORAL_PLAN"
 _CHECKPOINT = re.compile(r"^/[A-Za-z0-9._/+:@=-]*$")
 
 
@@ -109,16 +114,6 @@ def serve_argv(scenario: str, checkpoint: str) -> list[str]:
             checkpoint, "--host", "0.0.0.0", "--port", str(GATEWAY_PORT)]
 
 
-def _sh(word: str) -> str:
-    """Shell quoting that keeps our own `$VAR`s expandable: words with `$` are ours (ids and paths are checked
-    safe-character names), double-quoted; every other word single-quoted as needed."""
-    return f'"{word}"' if "$" in word else shlex.quote(word)
-
-
-def _line(argv: list[str], exec_: bool = False, background: bool = False) -> str:
-    return ("exec " if exec_ else "") + " ".join(_sh(a) for a in argv) + (" &" if background else "")
-
-
 # --- plan as a ConfigMap ------------------------------------------------------------------------------------
 def plan_configmap(name: str, plan: Plan) -> dict[str, Any]:
     return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": name},
@@ -139,7 +134,7 @@ def _gpus(config: str) -> dict[str, Any]:
 
 
 def _gpu_pod(container: dict[str, Any], catalog: Catalog, config: str, region: str, configmap: str) -> dict[str, Any]:
-    """The pod spec of a GPU node of `config`: pinned to its instance type (render's node selector), /dev/shm in
+    """The pod spec of a GPU node of `config`: pinned to its instance type (`common.node_selector`), /dev/shm in
     memory, the plan mounted."""
     pod = pod_spec(container, offering(catalog, config, region))
     pod["volumes"].append(_plan_volume(configmap))
@@ -157,7 +152,7 @@ def head_script(scenario: str, checkpoint: str) -> str:
         '/bin/bash -c "$KUBERAY_GEN_RAY_START_CMD" &',
         "until ray status >/dev/null 2>&1; do sleep 2; done",
         'export RAY_ADDRESS="${RAY_ADDRESS:-auto}"',
-        _line(serve_argv(scenario, checkpoint), background=True),
+        sh_line(serve_argv(scenario, checkpoint), background=True),
         "wait -n",
         "exit $?",
     ]) + "\n"
@@ -179,7 +174,7 @@ def raycluster(plan: Plan, name: str, catalog: Catalog, image: str, checkpoint: 
                     "name": "ray-head",
                     "image": image,
                     "command": ["/bin/bash", "-c", "--"],
-                    "args": [head_script(plan.scenario, checkpoint)],
+                    "args": [k8s_literal(head_script(plan.scenario, checkpoint))],  # bash gets it as written
                     "ports": head_ports,
                     "volumeMounts": [_PLAN_MOUNT],
                 }],
@@ -285,13 +280,13 @@ def skypilot_instance(inst: PlanInstance, catalog: Catalog, image: str, checkpoi
     (config,) = set(instance_nodes(inst))
     nodes = len(instance_nodes(inst))
     head, me = f"${HEAD_ADDR_VAR}", f"${NODE_ADDR_VAR}"
-    node = node_argv(inst.id, checkpoint, "$SKYPILOT_NODE_RANK", head, head, me)
+    node = node_argv(inst.id, checkpoint, f"${SKY_RANK_VAR}", head, head, me)
     run = (SKY_NODE_ADDR + f'export {HEAD_ADDR_VAR}=$(echo "$SKYPILOT_NODE_IPS" | head -n1)\n'
-           + 'if [ "$SKYPILOT_NODE_RANK" = 0 ]; then\n'
-           + f"  {_line(scheduler_argv(inst.id, checkpoint, head, head), background=True)}\n"
-           + f"  {_line(node, background=True)}\n"
+           + f'if [ "${SKY_RANK_VAR}" = 0 ]; then\n'
+           + f"  {sh_line(scheduler_argv(inst.id, checkpoint, head, head), background=True)}\n"
+           + f"  {sh_line(node, background=True)}\n"
            + "  wait -n\n  exit $?\nfi\n"
-           + _line(node, exec_=True) + "\n")
+           + sh_line(node, exec_=True) + "\n")
     task: dict[str, Any] = {"name": instance_name(inst)}
     if nodes > 1:
         task["num_nodes"] = nodes
@@ -317,13 +312,13 @@ def instance_scripts(inst: PlanInstance, checkpoint: str) -> dict[str, str]:
     plan, head, me = f"${PLAN_VAR}", f"${HEAD_ADDR_VAR}", f"${NODE_ADDR_VAR}"
     out = {"scheduler": "\n".join([
         _SCRIPT_HEAD[0], f"# {inst.id}: Coral engine scheduler (HTTP on {HTTP_PORT}; no GPU needed)", *_SCRIPT_HEAD[1:],
-        _line(scheduler_argv(inst.id, checkpoint, me, head, plan), exec_=True)]) + "\n"}
+        sh_line(scheduler_argv(inst.id, checkpoint, me, head, plan), exec_=True)]) + "\n"}
     for rank, config in enumerate(instance_nodes(inst)):
         out[f"node{rank}"] = "\n".join([
             _SCRIPT_HEAD[0], f"# {inst.id}: node {rank} of {len(instance_nodes(inst))}, on a {config} machine in "
             f"{inst.region}", *_SCRIPT_HEAD[1:],
             f': "${{{SCHEDULER_ADDR_VAR}:?set {SCHEDULER_ADDR_VAR} to the address of the scheduler machine}}"',
-            _line(node_argv(inst.id, checkpoint, rank, f"${SCHEDULER_ADDR_VAR}", head, me, plan), exec_=True)]) + "\n"
+            sh_line(node_argv(inst.id, checkpoint, rank, f"${SCHEDULER_ADDR_VAR}", head, me, plan), exec_=True)]) + "\n"
     return out
 
 

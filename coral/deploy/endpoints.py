@@ -12,8 +12,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from coral.allocation.plan import PlanClass, SafeName
+from coral.allocation.plan import PlanClass
 from coral.catalog.loader import load_file
+from coral.catalog.schema import SafeName
 
 
 class EndpointSpec(BaseModel):

@@ -20,29 +20,37 @@ instance, and the CLI fails on them.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import re
 import shutil
 import tempfile
 from collections import Counter, defaultdict
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, cast
 
-import yaml
 from pydantic import ValidationError
 
 from coral.allocation.plan import Plan, PlanInstance
 from coral.catalog.loader import Catalog, CoralInputError, builtin_catalog, format_validation_error
 from coral.catalog.schema import ModelArch, NodeOffering, parse_config_name
-from coral.deploy.endpoints import EndpointsFile, EndpointSpec
+from coral.deploy import coral_engine
+from coral.deploy.common import (
+    READINESS_DELAY_S,
+    SKY_NODE_ADDR,
+    RenderResult,
+    dns_name,
+    endpoint_spec,
+    k8s_labels,
+    offering,
+    pod_spec,
+    skypilot_resources,
+    uncovered_keys,
+    writer,
+)
+from coral.deploy.endpoints import EndpointsFile
+from coral.deploy.shell import HEAD_ADDR_VAR, NODE_ADDR_VAR, SKY_RANK_VAR, k8s_word
 from coral.deploy.vllm import (
-    HEAD_ADDR_VAR,
     NIXL_SIDE_CHANNEL_PORT,
-    NODE_ADDR_VAR,
     VLLM_PORT,
     NodeLaunch,
     Realisability,
@@ -56,60 +64,18 @@ from coral.templates.library import Template
 Target = Literal["skypilot", "kubernetes", "commands"]
 TARGETS: tuple[Target, ...] = ("skypilot", "kubernetes", "commands")
 VLLM_IMAGE = "vllm/vllm-openai:v0.33.0"
-READINESS_DELAY_S = 1200
-
-
-class _NoAliasDumper(yaml.SafeDumper):
-    """Plain YAML without anchors (shared label dicts would otherwise become &id001 aliases)."""
-
-    def ignore_aliases(self, data: Any) -> bool:
-        return True
-
-
-@dataclass
-class RenderResult:
-    files: list[Path] = field(default_factory=list)
-    skipped: dict[str, str] = field(default_factory=dict)  # instance id -> reason
-    endpoints: list[EndpointSpec] = field(
-        default_factory=list
-    )  # kubernetes: one per Service (endpoints.json)
-    uncovered: list[tuple[str, str]] = field(default_factory=list)  # (model, phase) with no launchable instance
-
-
-def dns_name(*parts: str, limit: int = 50) -> str:
-    """A DNS-1123 label from `parts` (lowercase, '-', at most `limit` chars, hashed suffix when cut)."""
-    raw = "-".join(parts)
-    s = re.sub(r"[^a-z0-9-]+", "-", raw.lower()).strip("-")
-    s = re.sub(r"-+", "-", s)
-    if len(s) > limit:
-        s = s[: limit - 9].rstrip("-") + "-" + hashlib.sha1(raw.encode()).hexdigest()[:8]
-    return s
-
-
-def offering(catalog: Catalog, config: str, region: str) -> NodeOffering:
-    """Cheapest offering of `config` in `region`."""
-    offers = [o for o in catalog.offerings if o.config == config and o.region == region]
-    if not offers:
-        raise CoralInputError(f"no offering of {config} in region {region!r}")
-    return min(offers, key=lambda o: o.price_per_hour)
-
-
-def cloud_region(o: NodeOffering) -> str:
-    """Catalog regions are prefixed by the cloud ('aws-us-east-2'); SkyPilot wants the bare name."""
-    prefix = f"{o.cloud}-"
-    return o.region[len(prefix) :] if o.region.startswith(prefix) else o.region
 
 
 def check_plan(plan: Plan, catalog: Catalog, source: str = "plan") -> None:
-    """Raise CoralInputError listing every problem that would make rendering fail or lie: duplicate instance
-    ids, unknown models or GPUs, bad config names, configs not offered in the instance's region, node
+    """Raise CoralInputError listing every problem that would make rendering fail or lie: no instances, duplicate
+    instance ids, unknown models or GPUs, bad config names, configs not offered in the instance's region, node
     throughputs not one per node, node counts that differ from the stages, and stages whose layers do not
     cover the model's layers once, in order."""
     try:  # the schema again: the object may have been built or changed without validation
         Plan.model_validate(plan.model_dump())
     except ValidationError as exc:
         raise CoralInputError(format_validation_error(source, exc)) from None
-    problems: list[str] = []
+    problems: list[str] = [] if plan.instances else ["instances: the plan has none, so there is nothing to deploy"]
     ids = Counter(i.id for i in plan.instances)
     problems += [f"instances: id {iid!r} appears {n} times" for iid, n in ids.items() if n > 1]
     for k, inst in enumerate(plan.instances):
@@ -174,20 +140,6 @@ def replica_groups(
 
 
 # --- SkyPilot ---------------------------------------------------------------------------------------------
-def skypilot_resources(catalog: Catalog, config: str, region: str, image: str, ports: int | list[int]) -> dict[str, Any]:
-    """A SkyPilot `resources` spec: the cheapest offering of node config `config` in `region`, in `image`."""
-    o = offering(catalog, config, region)
-    gpu, n = parse_config_name(config)
-    return {
-        "cloud": o.cloud,
-        "region": cloud_region(o),
-        "accelerators": f"{gpu}:{n}",
-        "instance_type": o.instance_type,
-        "image_id": f"docker:{image}",
-        "ports": ports,
-    }
-
-
 def _skypilot_task(
     inst: PlanInstance, launch: NodeLaunch, name: str, replicas: int, catalog: Catalog, image: str, run: str
 ) -> dict[str, Any]:
@@ -209,9 +161,6 @@ def _skypilot_task(
     }
 
 
-SKY_NODE_ADDR = f"export {NODE_ADDR_VAR}=$(hostname -I | awk '{{print $1}}')\n"
-
-
 def skypilot_service(
     inst: PlanInstance, launch: NodeLaunch, name: str, replicas: int, catalog: Catalog, image: str = VLLM_IMAGE
 ) -> dict[str, Any]:
@@ -229,17 +178,12 @@ def skypilot_pipeline(
     `$SKYPILOT_NODE_IPS` is the rendezvous."""
     cases = "".join(f"  {nl.rank}) {nl.shell(exec_=True)} ;;\n" for nl in launches)
     run = (SKY_NODE_ADDR + f'export {HEAD_ADDR_VAR}=$(echo "$SKYPILOT_NODE_IPS" | head -n1)\n'
-           + f'case "$SKYPILOT_NODE_RANK" in\n{cases}esac\n')
+           + f'case "${SKY_RANK_VAR}" in\n{cases}esac\n')
     task = _skypilot_task(inst, launches[0], name, replicas, catalog, image, run)
     return {"name": name, "num_nodes": len(launches), **{k: v for k, v in task.items() if k != "name"}}
 
 
 # --- Kubernetes -------------------------------------------------------------------------------------------
-def _k8s_expand(value: str) -> str:
-    """Shell-style `$VAR` to Kubernetes' `$(VAR)`, which the kubelet expands in args and env values."""
-    return re.sub(r"\$(\w+)", r"$(\1)", value)
-
-
 def _container(launch: NodeLaunch, image: str, head_addr: str | None = None) -> dict[str, Any]:
     """The vLLM container of one node: its GPUs, its command, the node's own address (NIXL side channel),
     the rank-0 address (pipelines) and the HF token from the `hf-token` secret; rank 0 serves and is probed."""
@@ -249,13 +193,13 @@ def _container(launch: NodeLaunch, image: str, head_addr: str | None = None) -> 
     ]
     if head_addr is not None:
         env.append({"name": HEAD_ADDR_VAR, "value": head_addr})
-    env += [{"name": k, "value": _k8s_expand(v)} for k, v in launch.env.items()]
+    env += [{"name": k, "value": k8s_word(v)} for k, v in launch.env.items()]
     ports = [{"containerPort": NIXL_SIDE_CHANNEL_PORT, "name": "nixl"}] if launch.env else []
     c: dict[str, Any] = {
         "name": "vllm",
         "image": image,
         "command": launch.argv[:2],
-        "args": [_k8s_expand(a) for a in launch.argv[2:]],
+        "args": [k8s_word(a) for a in launch.argv[2:]],
         "resources": {
             "limits": {"nvidia.com/gpu": str(launch.gpus)},
             "requests": {"nvidia.com/gpu": str(launch.gpus)},
@@ -273,27 +217,6 @@ def _container(launch: NodeLaunch, image: str, head_addr: str | None = None) -> 
             "failureThreshold": READINESS_DELAY_S // 10,
         }
     return c
-
-
-def node_selector(o: NodeOffering) -> dict[str, str]:
-    """The node selector that pins a pod to offering `o`'s instance type (the well-known Kubernetes label)."""
-    return {"node.kubernetes.io/instance-type": o.instance_type}
-
-
-def pod_spec(container: dict[str, Any], o: NodeOffering) -> dict[str, Any]:
-    return {
-        "nodeSelector": node_selector(o),
-        "containers": [container],
-        "volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory"}}],
-    }
-
-
-def k8s_labels(inst: PlanInstance, name: str) -> dict[str, str]:
-    return {
-        "app.kubernetes.io/name": name,
-        "coral.io/model": dns_name(inst.model),
-        "coral.io/phase": inst.phase,
-    }
 
 
 def _service(name: str, selector: dict[str, str], headless: bool = False) -> dict[str, Any]:
@@ -360,16 +283,6 @@ def k8s_pipeline(
     return docs
 
 
-def endpoint_spec(service: str, inst: PlanInstance, weight: float, url: str | None = None) -> EndpointSpec:
-    """The endpoint of `service` (at `url`, default `http://<service>:VLLM_PORT`): `weight` tokens/s of instances
-    like `inst` (class weights in proportion)."""
-    per_class = inst.class_throughput
-    return EndpointSpec(
-        id=service, model=inst.model, phase=inst.phase, url=url or f"http://{service}:{VLLM_PORT}", weight=weight,
-        class_weights=None if per_class is None else {c: v * weight / inst.throughput for c, v in per_class.items()},
-    )
-
-
 # --- coverage ---------------------------------------------------------------------------------------------
 def launchable(inst: PlanInstance | Template, arch: ModelArch, target: Target) -> Realisability:
     """Whether `target` launches `inst` (a plan instance or a library template) with stock vLLM (`realisable`,
@@ -389,12 +302,6 @@ def skipped_instances(plan: Plan, target: Target, catalog: Catalog) -> dict[str,
         if not check:
             out[inst.id] = check.reason
     return out
-
-
-def uncovered_keys(plan: Plan, skipped: dict[str, str]) -> list[tuple[str, str]]:
-    """(model, phase) pairs of the plan left with no launchable instance."""
-    keys = dict.fromkeys((i.model, i.phase) for i in plan.instances)
-    return [k for k in keys if all(i.id in skipped for i in plan.instances_of(*k))]
 
 
 def node_script(inst: PlanInstance, launch: NodeLaunch) -> str:
@@ -424,8 +331,6 @@ def render(
     directory as the nodes see it). The whole plan is checked first (`check_plan`); files are rendered into a
     temporary folder beside `out_dir` and moved into it only once every one rendered, so a failure leaves `out_dir`
     as it was."""
-    from coral.deploy import coral_engine
-
     if engine not in ("vllm", "coral"):
         raise CoralInputError(f"--engine: must be vllm or coral, not {engine!r}")
     if engine == "coral":
@@ -451,19 +356,6 @@ def render(
         shutil.rmtree(staging, ignore_errors=True)
     res.files = [out / f.name for f in res.files]
     return res
-
-
-def writer(out: Path, res: RenderResult) -> Callable[[str, list[dict[str, Any]] | str], None]:
-    """`write(name, docs)`: YAML documents (or text) to `out/name`, recorded in `res.files`."""
-
-    def write(name: str, docs: list[dict[str, Any]] | str) -> None:
-        path = out / name
-        path.write_text(
-            docs if isinstance(docs, str) else yaml.dump_all(docs, Dumper=_NoAliasDumper, sort_keys=False)
-        )
-        res.files.append(path)
-
-    return write
 
 
 def write_index(out: Path, res: RenderResult, plan: Plan, target: str, engine: str) -> None:

@@ -16,20 +16,17 @@ NIXL side channel on `VLLM_NIXL_SIDE_CHANNEL_HOST` (the node's own address) and 
 from __future__ import annotations
 
 import json
-import re
-import shlex
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from coral.allocation.plan import PlanInstance
 from coral.catalog.schema import ModelArch, parse_config_name
+from coral.deploy.shell import HEAD_ADDR_VAR, NODE_ADDR_VAR, sh_line
 
 VLLM_PORT = 8000
 NIXL_SIDE_CHANNEL_PORT = 5600
 KV_TRANSFER_CONFIG = {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
-HEAD_ADDR_VAR = "CORAL_HEAD_ADDR"
-NODE_ADDR_VAR = "CORAL_NODE_ADDR"
 
 
 class _StageLike(Protocol):
@@ -138,14 +135,8 @@ class NodeLaunch:
     replica: int = 0
 
     def shell(self, exec_: bool = False) -> str:
-        """One shell line (`exec_`: replacing the shell); `$VAR` values stay expandable, the rest is quoted."""
-        env = " ".join(f"{k}={_quote(v)}" for k, v in self.env.items())
-        args = ("exec " if exec_ else "") + " ".join(_quote(a) for a in self.argv)
-        return (env + " " if env else "") + args
-
-
-def _quote(word: str) -> str:
-    return f'"{word}"' if re.fullmatch(r"\$\w+", word) else shlex.quote(word)
+        """One bash line (`exec_`: replacing the shell); only our own `$VAR`s expand (`shell.sh_word`)."""
+        return sh_line(self.argv, self.env, exec_=exec_)
 
 
 def launch_commands(

@@ -1,17 +1,24 @@
-"""A node's model shard: decoder layers [first, last) of a Hugging Face Llama-family checkpoint, built from
-`transformers`' own modules (embedding on the first stage, final norm and lm_head on the last) with only the
+"""A node's model shard: decoder layers [first, last) of a Hugging Face checkpoint, built from `transformers`' own
+modules of its architecture (embedding on the first stage, final norm and lm_head on the last) with only the
 shard's tensors read from the safetensors files, and a paged KV cache (`KVPool`).
 
+Architectures (`coral.engine.architectures`): llama, phi3 (phi-4), qwen3, qwen3_moe and gpt_oss, each with
+pipeline stages, data-parallel nodes, tensor parallelism (MoE experts split by intermediate features) and the KV
+hand-off between instances; another `model_type` is refused with a message naming it. gpt-oss experts stored in
+MXFP4 are dequantised at load to the checkpoint's dtype.
+
 A micro-batch runs as one flattened batch of tokens (prefill chunks and decode steps of different requests,
-variable length, no padding): norms, q/k/v/o projections, rotary embedding and MLP see (tokens, hidden) matrices.
-Attention runs per request over its own KV, gathered from the pool through its block table, with
-`scaled_dot_product_attention` (causal over the request's past and the new chunk).
+variable length, no padding): norms, q/k/v/o projections, rotary embedding and MLP or MoE see (tokens, hidden)
+matrices; attention runs over the requests' KV in the pool, per layer with its sliding window and sinks if any
+(`coral.engine.attention.AttentionBatch`).
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,43 +27,26 @@ import torch
 import torch.distributed as dist
 from safetensors import safe_open
 from torch import nn
-from torch.nn.functional import scaled_dot_product_attention
-from transformers import AutoConfig, LlamaConfig
-from transformers.models.llama.modeling_llama import (
-    LlamaDecoderLayer,
-    LlamaRMSNorm,
-    LlamaRotaryEmbedding,
-    apply_rotary_pos_emb,
-)
+from transformers import AutoConfig
+
+from coral.engine.architectures import REDUCED, architecture, expert_tensor, shard_tensor, sliding_window
+from coral.engine.attention import AttentionBatch
 
 KV = tuple[torch.Tensor, torch.Tensor]  # keys and values, (1, kv_heads, tokens, head_dim)
 
 
 class AllReduced(nn.Module):
-    """A row-parallel projection: the local partial product, summed over the tensor-parallel group."""
+    """A row-parallel module (a projection, or a MoE's experts): the local partial output, summed over the
+    tensor-parallel group."""
 
-    def __init__(self, inner: nn.Linear, group: Any) -> None:
+    def __init__(self, inner: nn.Module, group: Any) -> None:
         super().__init__()
         self.inner, self.group = inner, group
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.inner(x)
+    def forward(self, *args: Any) -> torch.Tensor:
+        y: torch.Tensor = self.inner(*args)
         dist.all_reduce(y, group=self.group)
         return y
-
-
-def _keep_rows(lin: nn.Linear, rank: int, size: int) -> None:
-    """Column parallel: this rank's share of the output features."""
-    lin.weight = nn.Parameter(lin.weight.chunk(size, 0)[rank].clone(), requires_grad=False)
-    if lin.bias is not None:
-        lin.bias = nn.Parameter(lin.bias.chunk(size, 0)[rank].clone(), requires_grad=False)
-
-
-def _keep_cols(lin: nn.Linear, rank: int, size: int) -> None:
-    """Row parallel: this rank's share of the input features (the bias is added once, by rank 0)."""
-    lin.weight = nn.Parameter(lin.weight.chunk(size, 1)[rank].clone(), requires_grad=False)
-    if lin.bias is not None and rank:
-        lin.bias = nn.Parameter(torch.zeros_like(lin.bias), requires_grad=False)
 
 
 class PoolFull(RuntimeError):
@@ -154,10 +144,11 @@ def _tensor_files(checkpoint: Path) -> dict[str, Path]:
 class Shard(nn.Module):
     """Layers [first, last) of `checkpoint` on `device`; `embed` and `head` present on the first/last stage.
 
-    With a tensor-parallel `tp_group` of size t, each rank keeps 1/t of the attention heads (query and KV) and of
-    the MLP's intermediate features, Megatron-style: q/k/v/gate/up split by output features, o/down by input
-    features and summed over the group (`AllReduced`); embedding, norms and lm_head are replicated. The KV
-    cache of a rank holds its heads only.
+    With a tensor-parallel `tp_group` of size t, each rank keeps 1/t of the attention heads (query and KV, and
+    their sinks) and of the intermediate features of the MLP or of every expert, Megatron-style (the rules:
+    `coral.engine.architectures.Split`): column-parallel projections split by output features, row-parallel
+    ones (o_proj, down_proj, the experts) by input features and summed over the group (`AllReduced`);
+    embedding, norms, routers and lm_head are replicated. The KV cache of a rank holds its heads only.
 
     The KV pool gets `kv_blocks` blocks of `block_size` tokens, or (`kv_blocks` 0) as many as fit in
     `kv_cache_fraction` of the device's free memory once the weights are loaded (if > 0), else in `kv_cache_gib`
@@ -168,10 +159,9 @@ class Shard(nn.Module):
                  kv_blocks: int = 0, kv_cache_fraction: float = 0.0) -> None:
         super().__init__()
         checkpoint = Path(checkpoint)
-        config: LlamaConfig = AutoConfig.from_pretrained(checkpoint)
-        if config.model_type != "llama":
-            raise ValueError(f"{checkpoint}: model_type {config.model_type!r}; the engine runs Llama checkpoints")
-        config._attn_implementation = "sdpa"
+        config: Any = AutoConfig.from_pretrained(checkpoint)
+        self.arch = architecture(config, checkpoint)
+        config._experts_implementation = "grouped_mm"  # what transformers runs a loaded MoE model with
         n = int(config.num_hidden_layers)
         if not 0 <= first < last <= n:
             raise ValueError(f"layers [{first}, {last}): must be a non-empty range within the model's {n} layers")
@@ -180,33 +170,46 @@ class Shard(nn.Module):
         dtype = getattr(config, "dtype", None) or torch.float32
         self.dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
         with torch.device("meta"):
-            self.layers = nn.ModuleList(LlamaDecoderLayer(config, layer_idx=i) for i in range(first, last))
+            self.layers = nn.ModuleList(self.arch.layer(config, i) for i in range(first, last))
             self.embed = nn.Embedding(config.vocab_size, config.hidden_size) if self.is_first else None
-            self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps) if self.is_last else None
+            self.norm = self.arch.norm(config) if self.is_last else None
             self.head = nn.Linear(config.hidden_size, config.vocab_size, bias=False) if self.is_last else None
-        self.rotary = LlamaRotaryEmbedding(config).to(self.device)
-        self._load(checkpoint)
+        self.rotary = self.arch.rotary(config).to(self.device)
+        self.windows = [sliding_window(config, i) for i in range(first, last)]
         self.tp_rank, self.tp_size = (dist.get_rank(tp_group), dist.get_world_size(tp_group)) if tp_group else (0, 1)
-        if self.tp_size > 1:
-            for layer in self.layers:
-                att: Any = layer.self_attn
-                mlp: Any = layer.mlp
-                for lin in (att.q_proj, att.k_proj, att.v_proj, mlp.gate_proj, mlp.up_proj):
-                    _keep_rows(lin, self.tp_rank, self.tp_size)
-                for lin in (att.o_proj, mlp.down_proj):
-                    _keep_cols(lin, self.tp_rank, self.tp_size)
-                att.o_proj, mlp.down_proj = AllReduced(att.o_proj, tp_group), AllReduced(mlp.down_proj, tp_group)
-        self.eval()
         self.head_dim: int = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        kv_heads = int(config.num_key_value_heads or config.num_attention_heads) // self.tp_size
+        heads, kv_heads = int(config.num_attention_heads), int(config.num_key_value_heads or config.num_attention_heads)
+        if heads % self.tp_size or kv_heads % self.tp_size:
+            raise ValueError(f"{checkpoint}: tensor parallelism {self.tp_size} does not divide the model's {heads} "
+                             f"attention heads and {kv_heads} KV heads")
+        self._load(checkpoint)
+        if self.tp_size > 1:
+            self._split(tp_group, [heads * self.head_dim, kv_heads * self.head_dim, kv_heads * self.head_dim])
+        heads, kv_heads = heads // self.tp_size, kv_heads // self.tp_size
+        self.qkv_sizes = [heads * self.head_dim, kv_heads * self.head_dim, kv_heads * self.head_dim]
+        self.eval()
         per_block = KVPool.bytes_per_block(last - first, block_size, kv_heads, self.head_dim, self.dtype)
         budget = kv_cache_fraction * free_memory(self.device) if kv_cache_fraction > 0 else kv_cache_gib * 2**30
         blocks = kv_blocks or int(budget) // per_block
         self.pool = KVPool(last - first, blocks, block_size, kv_heads, self.head_dim, self.dtype, self.device)
         self.exported: dict[str, set[int]] = {}  # request -> layers handed off so far (blocks freed when all are)
 
+    def _split(self, group: Any, qkv: list[int]) -> None:
+        """Keep this rank's share of every layer parameter; sum row-parallel outputs over the group."""
+        for layer in self.layers:
+            for name, param in list(layer.named_parameters()):
+                owner, _, attr = name.rpartition(".")
+                part = shard_tensor(param.data, self.arch.split(name), self.tp_rank, self.tp_size, qkv, name)
+                setattr(layer.get_submodule(owner), attr, nn.Parameter(part.clone(), requires_grad=False))
+            for path in REDUCED:
+                owner, _, attr = path.rpartition(".")
+                module = getattr(layer.get_submodule(owner), attr, None)
+                if module is not None:
+                    setattr(layer.get_submodule(owner), attr, AllReduced(module, group))
+
     def _load(self, checkpoint: Path) -> None:
-        """Read only this shard's tensors (checkpoint names mapped to the shard's module names)."""
+        """Read only this shard's tensors (checkpoint names mapped to the shard's module names; expert weights
+        stacked or dequantised from the checkpoint's format, see `expert_tensor`)."""
         wanted: dict[str, str] = {}
         for j, i in enumerate(range(self.first, self.last)):
             for name in self.layers[j].state_dict():
@@ -218,20 +221,39 @@ class Shard(nn.Module):
             tied = bool(getattr(self.config, "tie_word_embeddings", False))
             wanted["model.embed_tokens.weight" if tied else "lm_head.weight"] = "head.weight"
         files = _tensor_files(checkpoint)
-        missing = [k for k in wanted if k not in files]
+        state: dict[str, torch.Tensor] = {}
+        missing: list[str] = []
+        with ExitStack() as stack:
+            opened: dict[Path, Any] = {}
+
+            def get(name: str) -> torch.Tensor:
+                path = files[name]
+                if path not in opened:
+                    opened[path] = stack.enter_context(safe_open(path, framework="pt", device=str(self.device)))
+                return opened[path].get_tensor(name)
+
+            for name, target in wanted.items():
+                tensor = get(name) if name in files else expert_tensor(name, files, get, self.dtype)
+                if tensor is None:
+                    missing.append(name)
+                else:
+                    state[target] = tensor.to(self.dtype)
         if missing:
             raise KeyError(f"{checkpoint}: tensors missing from the checkpoint: {missing[:5]}")
-        state: dict[str, torch.Tensor] = {}
-        by_file: dict[Path, list[str]] = {}
-        for k in wanted:
-            by_file.setdefault(files[k], []).append(k)
-        for path, names in by_file.items():
-            with safe_open(path, framework="pt", device=str(self.device)) as f:
-                for k in names:
-                    state[wanted[k]] = f.get_tensor(k).to(self.dtype)
         if self.is_first and self.is_last and "embed.weight" not in state:
             state["embed.weight"] = state["head.weight"]
         self.load_state_dict(state, strict=True, assign=True)
+
+    def _qkv(self, att: Any, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries, keys and values (tokens, heads, head_dim) of the normed hidden states `y`, before RoPE."""
+        if self.arch.fused_qkv:
+            q, k, v = att.qkv_proj(y).split(self.qkv_sizes, -1)
+        else:
+            q, k, v = att.q_proj(y), att.k_proj(y), att.v_proj(y)
+        q, k, v = (t.reshape(len(y), -1, self.head_dim) for t in (q, k, v))
+        if self.arch.qk_norm:
+            q, k = att.q_norm(q), att.k_norm(k)
+        return q, k, v
 
     @torch.inference_mode()
     def forward_batch(self, steps: list[Step], x: torch.Tensor) -> torch.Tensor:
@@ -250,39 +272,26 @@ class Shard(nn.Module):
         h = self.embed(x.to(self.device)) if self.embed is not None else x.to(self.device, self.dtype)
         positions = torch.cat([torch.arange(s.start, s.start + s.n, device=self.device) for s in steps])
         cos, sin = self.rotary(h, positions.unsqueeze(0))
-        new_slots = torch.cat([pool.slots(s.rid, s.start, s.start + s.n) for s in steps])
-        past_slots = [pool.slots(s.rid, 0, s.start + s.n) for s in steps]
-        masks = [None if s.start == 0 or s.n == 1
-                 else torch.ones(s.n, s.start + s.n, dtype=torch.bool, device=self.device).tril(s.start)
-                 for s in steps]
-        offsets = [0]
-        for s in steps:
-            offsets.append(offsets[-1] + s.n)
+        slots = [pool.slots(s.rid, 0, s.start + s.n) for s in steps]
+        new_slots = torch.cat([sl[s.start:] for s, sl in zip(steps, slots, strict=True)])
+        batch = AttentionBatch.build([s.start for s in steps], [s.n for s in steps], slots, self.device)
         for j, decoder in enumerate(self.layers):
             layer: Any = decoder
             att: Any = layer.self_attn
-            y = layer.input_layernorm(h)
-            q = att.q_proj(y).view(len(h), -1, self.head_dim)
-            k = att.k_proj(y).view(len(h), -1, self.head_dim)
-            v = att.v_proj(y).view(len(h), -1, self.head_dim)
-            q, k = apply_rotary_pos_emb(q, k, cos[0], sin[0], unsqueeze_dim=1)
+            q, k, v = self._qkv(att, layer.input_layernorm(h))
+            q, k = self.arch.apply_rope(q, k, cos[0], sin[0], unsqueeze_dim=1)
             pool.k[j].index_copy_(0, new_slots, k)
             pool.v[j].index_copy_(0, new_slots, v)
-            out = torch.empty_like(q)
-            for s, a, b, slots, mask in zip(steps, offsets[:-1], offsets[1:], past_slots, masks, strict=True):
-                keys = pool.k[j].index_select(0, slots).transpose(0, 1).unsqueeze(0)
-                values = pool.v[j].index_select(0, slots).transpose(0, 1).unsqueeze(0)
-                res = scaled_dot_product_attention(
-                    q[a:b].transpose(0, 1).unsqueeze(0), keys, values, attn_mask=mask,
-                    is_causal=s.start == 0 and s.n > 1, scale=att.scaling, enable_gqa=True)
-                out[a:b] = res[0].transpose(0, 1)
-            h = h + att.o_proj(out.view(len(h), -1))
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            out = batch.attend(q, pool.k[j], pool.v[j], att.scaling, self.windows[j], getattr(att, "sinks", None))
+            h = h + att.o_proj(out.reshape(len(h), -1))
+            mlp = layer.mlp(layer.post_attention_layernorm(h).unsqueeze(0))  # MoE blocks want (batch, tokens, hidden)
+            h = h + (mlp[0] if isinstance(mlp, tuple) else mlp)[0]  # gpt-oss's MoE also returns its router scores
         for s in steps:
             pool.tokens[s.rid] = s.start + s.n
         if self.norm is None or self.head is None:
             return h
-        last = torch.tensor([b - 1 for s, b in zip(steps, offsets[1:], strict=True) if s.sample],
+        ends = itertools.accumulate(s.n for s in steps)
+        last = torch.tensor([e - 1 for s, e in zip(steps, ends, strict=True) if s.sample],
                             dtype=torch.long, device=self.device)
         return self.head(self.norm(h.index_select(0, last))).float()
 

@@ -1,10 +1,12 @@
 """The Coral pipeline engine as a controller backend: each plan instance runs on this machine as one process
 per node (`coral.engine`), its stages mapped onto a checkpoint's layers.
 
-Without a checkpoint, the tiny Llama model (`coral.engine.tiny_model`) is made once in a cache directory and
-serves every model of the plan under the plan's model names: the plan's layer split is scaled to its 8 layers,
-so instances of up to 8 stages run (see `coral.engine.layout`), and a node's TP degree is capped at 2 (its KV
-heads; see `CoralInstance.node_tp`).
+Without a checkpoint, each model of the plan is served under its plan name by the tiny model of its catalog
+architecture (`coral.engine.tiny_model`: the catalog's `model_type`, e.g. phi-4 by a tiny phi3, gpt-oss by a tiny
+gpt_oss with experts, sinks and sliding-window layers), made once in a cache directory; a model the catalog does
+not know, or whose architecture the engine does not run, gets the tiny Llama. The plan's layer split is scaled to
+the tiny model's 8 layers, so instances of up to 8 stages run (see `coral.engine.layout`), and a node's TP degree
+is capped at 2 (its KV heads; see `CoralInstance.node_tp`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,16 @@ SERVE_MODEL_LAYERS = 8
 
 def default_cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "coral"
+
+
+def serve_architecture(model: str) -> str:
+    """The tiny architecture standing in for catalog model `model`: its `model_type` where the engine runs it,
+    else llama."""
+    from coral.catalog.loader import builtin_catalog
+    from coral.engine.tiny_model import ARCHITECTURES
+
+    arch = builtin_catalog().models.get(model)
+    return arch.model_type if arch is not None and arch.model_type in ARCHITECTURES else "llama"
 
 
 class CoralEngineBackend:
@@ -45,14 +57,16 @@ class CoralEngineBackend:
         self.instances: dict[str, CoralInstance] = {}
         self._lock = threading.Lock()
 
-    def model_dir(self) -> Path:
-        """The checkpoint served: the given one, or the tiny model (made on first use)."""
-        if self.checkpoint is None:
-            from coral.engine.tiny_model import TinyLlamaSpec, make_tiny_llama
+    def model_dir(self, model: str = "") -> Path:
+        """The checkpoint serving plan model `model`: the given one, or the tiny model of its architecture (made
+        on first use, in `cache_dir / f"tiny-{architecture}"`; no model: the tiny Llama)."""
+        if self.checkpoint is not None:
+            return self.checkpoint
+        from coral.engine.tiny_model import TinySpec, make_tiny
 
-            spec = TinyLlamaSpec(num_hidden_layers=SERVE_MODEL_LAYERS, initializer_range=0.25)
-            self.checkpoint = make_tiny_llama(self.cache_dir / "tiny-llama", spec)
-        return self.checkpoint
+        arch = serve_architecture(model)
+        spec = TinySpec(num_hidden_layers=SERVE_MODEL_LAYERS, initializer_range=0.25)
+        return make_tiny(arch, self.cache_dir / f"tiny-{arch}", spec)
 
     def start(self, instance: PlanInstance) -> Handle:
         with self._lock:
@@ -60,7 +74,8 @@ class CoralEngineBackend:
             if running is None or not running.alive():
                 if running is not None:
                     running.stop()
-                running = CoralInstance.from_plan(instance, self.model_dir(), self.config, self.log_dir).start()
+                running = CoralInstance.from_plan(instance, self.model_dir(instance.model), self.config,
+                                                  self.log_dir).start()
                 self.instances[instance.id] = running
         return {"url": running.url, "pids": [p.pid for p in running.procs]}
 
