@@ -15,7 +15,9 @@ default 0.5) in goodput mode.
 Scale (`--scale`): the scenario grown by copies of its models (request rates × U(0.5, 1.5), seeded) and of its
 regions (prices × U(0.8, 1.2)): 6×3, 12×3, 24×3, 48×3 and 6×12 models × regions on extended; cost mode at
 availability 1.75× and goodput mode at 0.5× of the headroom estimate (timed separately, it is computed once per
-run), `allocate` with `--time-limit` for the whole call (default 10 s) and gap 1e-4.
+run), `allocate` with `--time-limit` for the whole call (default 10 s) and gap 1e-4. Each row: wall and CPU
+seconds of the call, share of demand served, least served share, models with a phase at 0 and the stages a
+limit stopped.
 
 Settings: "default" = the scenario's availability (headroom rule, resolved once, outside the timing), "scarce" =
 the headroom rule at `--factor`. Variants: "neither" disables the rounding cuts (core.CUTS_PER_KEY =
@@ -92,15 +94,20 @@ def grown(sc: Scenario, lib: TemplateLibrary, catalog: Catalog, models_x: int, r
 
 def timed_plan(lib: TemplateLibrary, sc: Scenario, avail: dict[str, dict[str, int]], mode: str, catalog: Catalog,
                time_limit: float, gap: float) -> dict[str, object]:
-    t0 = time.perf_counter()
+    """One `allocate` call: wall and CPU seconds (this process's: HiGHS runs in it, one thread; on a loaded
+    machine wall > CPU), status, cost, share of demand served, least served share, models with a phase at 0, and
+    the stages a limit stopped (`SolveReport.stopped`)."""
+    t0, c0 = time.perf_counter(), time.process_time()
     plan = allocate(lib, sc, availability=avail, mode=mode, catalog=catalog, time_limit=time_limit,  # type: ignore[arg-type]
                     gap=gap)
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     demand = sum(s.demand for s in plan.serving)
-    return {"mode": mode, "wall_s": wall, "solver_s": plan.solve.time_s, "status": plan.solve.status,
+    return {"mode": mode, "wall_s": wall, "cpu_s": cpu, "solver_s": plan.solve.time_s, "status": plan.solve.status,
             "gap": plan.solve.gap, "cost": plan.cost_per_hour,
             "served": sum(min(s.capacity, s.demand) for s in plan.serving) / demand if demand else 1.0,
-            "least_served": min((s.served_fraction for s in plan.serving), default=1.0)}
+            "least_served": min((s.served_fraction for s in plan.serving), default=1.0),
+            "models_at_0": len({s.model for s in plan.serving if s.demand > 0 and s.served_fraction <= 0}),
+            "stopped": "; ".join(plan.solve.stopped) or "-"}
 
 
 def scale_rows(sc: Scenario, lib: TemplateLibrary, time_limit: float, console: Console) -> list[dict[str, object]]:

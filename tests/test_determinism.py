@@ -92,6 +92,19 @@ def test_allocate_gives_the_same_plan_on_a_slow_clock(monkeypatch: pytest.Monkey
     assert loaded.solve.status == idle.solve.status
 
 
+def test_coverage_gives_the_same_plan_on_a_slow_clock(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where no plan serves every model (issue 29), the coverage MIP and the stages after it stop on work limits
+    too: the same plan on an idle or a loaded machine."""
+    from test_scarcity import covering_case
+
+    lib, sc, dem, av = covering_case()
+    idle = allocate(lib, sc, demand=dem, availability=av, mode="goodput", time_limit=600)
+    patch_clock(monkeypatch, fast_clock(20.0))
+    loaded = allocate(lib, sc, demand=dem, availability=av, mode="goodput", time_limit=600)
+    assert idle.solve.safety_net is None and loaded.solve.safety_net is None
+    assert plan_key(loaded) == plan_key(idle) and loaded.solve.stopped == idle.solve.stopped == []
+
+
 def test_a_safety_net_hit_reaches_the_plan(monkeypatch: pytest.MonkeyPatch, core_library: TemplateLibrary) -> None:
     real_solve = milp.solve
 

@@ -12,12 +12,13 @@ from typing import Literal
 
 import numpy as np
 
-from coral.allocation import core, solver
+from coral.allocation import core, milp, solver
 from coral.allocation.availability import headroom_availability, market_availability
 from coral.allocation.classes import KeyClasses, key_classes
 from coral.allocation.demand import DemandKey, scenario_demand
 from coral.allocation.latency import LatencyBound, latency_bound, scenario_latency
 from coral.allocation.plan import Plan, PlanClass, SolveReport
+from coral.allocation.reductions import pareto_columns
 from coral.catalog.loader import Catalog, CoralInputError, market_catalog
 from coral.catalog.schema import Scenario
 from coral.perf.model import Phase
@@ -29,6 +30,7 @@ UNLIMITED = core.UNLIMITED
 #: max-min and goodput problems of at most this many variables go to HiGHS whole, warm-started: there the LP
 #: pipeline's rounds cost more than they save (`benchmarks/allocator.py --replan`)
 DIRECT_COLUMNS = 4000
+STAGE_S = 0.05  # the least wall-clock safety net a stage gets: past the call's, each stage may still find a plan
 RESERVE = 0.1  # share of the time limit (the safety net) kept for building the plan and HiGHS's overrun of it
 FAIRNESS = 0.5  # goodput mode: every model keeps at least this share of the uniform max-min fraction
 
@@ -36,11 +38,13 @@ FAIRNESS = 0.5  # goodput mode: every model keeps at least this share of the uni
 class InfeasibleDemand(CoralInputError):
     """Demand cannot be met under the availability; names the models and (region, config)s that bind."""
 
-    def __init__(self, message: str, models: list[DemandKey], configs: list[tuple[str, str]], fraction: float):
+    def __init__(self, message: str, models: list[DemandKey], configs: list[tuple[str, str]], fraction: float,
+                 bound: float | None = None):
         super().__init__(message)
         self.models = models
         self.configs = configs
-        self.fraction = fraction
+        self.fraction = fraction  # the uniform share the best plan found serves
+        self.bound = bound  # a proven upper bound on it (None: none was proven before a limit stopped the solve)
 
 
 @dataclass
@@ -57,6 +61,92 @@ class _Context:
     reduce: bool
     classes: dict[int, KeyClasses]
     bound: list[LatencyBound]
+    cover: _Coverage | None = None  # scarcity modes: the models that can each get an instance (`_coverage`)
+
+
+@dataclass
+class _Coverage:
+    """Which models get an instance of each phase with demand: in the water-filling plan when it serves them all,
+    else in the plan of `_coverage`'s MIP."""
+
+    x: np.ndarray | None  # the MIP's plan, water-filled (a start of the max-min and goodput stages); None when
+    # the water-filling plan, a start already, serves every model
+    covered: np.ndarray  # per key: its model is served
+    floor: np.ndarray  # per key where covered: the least share one instance serves over its model's keys (its
+    # goodput floor: a model's phases share one served fraction, and any instance of each meets it), else 0
+    proven: bool  # no plan serves more (priority-weighted) models with instances that serve every class
+    words: str
+
+    @property
+    def t_zero(self) -> bool:
+        """Proven: some model can get no instance, so the max-min t is 0 in every plan."""
+        return self.proven and not self.covered.all()
+
+
+def _coverage(ctx: _Context, weights: np.ndarray, time_limit: float) -> _Coverage:
+    """The most priority-weighted models that can each get an instance of every phase with demand (a request
+    needs both): the water-filling plan when it serves every key, else a small MIP over one instance per column
+    (x_j ∈ {0, 1}, y_m ∈ {0, 1}: Σ_{j of key} x_j ≥ y_m for each key of model m, the availability rows, max
+    Σ w_m y_m) warm-started from it, over the columns of least node footprint (`_footprints`: an instance
+    is an instance here) and the water-filling plan's. Only instances serving every class of their key count
+    (T_j > 0). Every served fraction can be above 0 (the max-min t > 0) only when every model is covered; when
+    the MIP proves fewer, t = 0 is the optimum, and its plan names the models the goodput stage keeps above 0.
+    `time_limit`: its safety net."""
+    cols, pos = ctx.cols, ctx.demand > 0
+    wf = core.water_fill(cols, ctx.market, ctx.demand * weights)
+    useful = cols.throughput > 0
+    least = np.full(len(ctx.demand), np.inf)
+    np.minimum.at(least, cols.key[useful], cols.throughput[useful])
+    with np.errstate(divide="ignore", invalid="ignore"):
+        share = np.where(pos & np.isfinite(least), np.minimum(1.0, least / ctx.demand), np.inf)
+    models = sorted({m for m, _p in ctx.keys})
+    group = np.array([models.index(m) for m, _p in ctx.keys], dtype=np.int64)
+    model_share = np.full(len(models), np.inf)
+    np.minimum.at(model_share, group, share)
+    share = np.where(pos & np.isfinite(model_share[group]), model_share[group], 0.0) * (1 - 1e-6)
+    have = np.bincount(cols.key, (wf > 0) & useful, minlength=len(ctx.demand)) > 0
+    model_ok = np.ones(len(models), dtype=bool)
+    np.logical_and.at(model_ok, group, have | ~pos)
+    if model_ok[group].all():
+        return _Coverage(None, np.ones(len(ctx.demand), dtype=bool), share, True,
+                         "the water-filling plan serves every model")
+    sel = _footprints(cols, len(ctx.market.regions), useful)
+    sel = np.union1d(sel, np.flatnonzero((wf > 0) & useful))  # the water-filling plan's instances: its start
+    n, n_m = len(sel), len(models)
+    rows = milp.SparseRows(n + n_m)
+    for k in np.flatnonzero(pos):
+        js = np.flatnonzero(cols.key[sel] == k)
+        rows.add(np.append(js, n + group[k]), np.append(np.ones(len(js)), -1.0), 0.0, np.inf)
+    for r, c in zip(*np.nonzero(np.isfinite(ctx.market.avail)), strict=True):
+        js = np.flatnonzero((cols.region[sel] == r) & (cols.counts[sel, c] > 0))
+        if len(js):
+            rows.add(js, cols.counts[sel[js], c].astype(float), -np.inf, float(ctx.market.avail[r, c]))
+    w_m = np.zeros(n_m)
+    np.maximum.at(w_m, group[pos], weights[pos])
+    cost = np.concatenate([np.zeros(n), -w_m])
+    start = np.concatenate([np.minimum(wf[sel], 1.0), model_ok])
+    res = milp.solve(cost, np.zeros(n + n_m), np.concatenate([np.minimum(cols.upper[sel], 1.0), np.ones(n_m)]),
+                     np.ones(n + n_m, dtype=bool), rows, time_limit=time_limit, gap=0.0, start=start)
+    y = (res.x if res.x is not None else start)[n:] > 0.5
+    x = np.zeros(len(cols))
+    x[sel] = np.round((res.x if res.x is not None else start)[:n])
+    has_demand = np.bincount(group[pos], minlength=n_m) > 0
+    proven = res.status == "Optimal" and not ctx.classes
+    words = (f"{int(y[has_demand].sum())} of {int(has_demand.sum())} models can each get an instance of every phase "
+             f"({'proven: no plan serves more' if proven else f'the best plan found; {res.status}'})")
+    covered = y[group] | ~pos
+    return _Coverage(core.water_fill(cols, ctx.market, ctx.demand * weights, base=x), covered, share * covered, proven,
+                     words)
+
+
+def _footprints(cols: core.Columns, n_regions: int, useful: np.ndarray) -> np.ndarray:
+    """The `useful` columns whose node multiset is minimal in their (key, region): one per distinct multiset, none
+    whose multiset holds another's (one instance of the smaller fits wherever one of the larger does); the
+    skyline of `pareto_columns` on node counts alone."""
+    idx = np.flatnonzero(useful)
+    alive = pareto_columns(cols.key[idx] * n_regions + cols.region[idx], np.zeros(len(idx)), np.zeros(len(idx)),
+                           cols.counts[idx], np.zeros(len(idx), dtype=bool))
+    return idx[alive]
 
 
 def _keys_and_demand(scenario: Scenario, demand: Mapping[DemandKey, float] | None) -> tuple[list[DemandKey], np.ndarray]:
@@ -145,13 +235,15 @@ def _with_served(ctx: _Context, v: np.ndarray, layout: core.Layout, weights: np.
 def _start(ctx: _Context, problem: solver.Problem, layout: core.Layout, targets: np.ndarray | None,
            prev: _Stage | None, weights: np.ndarray) -> np.ndarray | None:
     """The best feasible start of `problem` (least objective) among the greedy plan meeting `targets` (when
-    given), the water-filling plan of all weighted demand (for the served objectives), the greedy plan serving
-    what it can, largest demand first (goodput) and the previous stage's solution; None when none is feasible
-    (`_with_served` sets the served variables)."""
+    given), the water-filling plan of all weighted demand and the coverage plan (`_coverage`, when it was
+    needed; for the served objectives), the greedy plan serving what it can, largest demand first (goodput) and
+    the previous stage's solution; None when none is feasible (`_with_served` sets the served variables)."""
     starts: list[np.ndarray] = []
     greedy = [] if targets is None else [core.greedy(ctx.cols, ctx.market, targets)]
     if layout.t_col is not None or layout.served_col:
         greedy.append(core.water_fill(ctx.cols, ctx.market, ctx.demand * weights))
+        if ctx.cover is not None and ctx.cover.x is not None:
+            greedy.append(ctx.cover.x)
     if layout.served_col:
         greedy.append(core.greedy(ctx.cols, ctx.market, ctx.demand * weights, partial=True))
     starts += [core.full_start(x0, problem, layout, ctx.cols, ctx.penalty_k) for x0 in greedy if x0 is not None]
@@ -212,7 +304,8 @@ def _solve_served(ctx: _Context, objective: Literal["maxmin", "goodput"], weight
     needs both), with per-key floors; warm-started
     from `prev` or the water-filling plan (`core.water_fill`), whichever is better, and from the LP optimum
     rounded down and water-filled (the solver's rounder). Small problems go to HiGHS whole (`DIRECT_COLUMNS`)
-    unless the LP's row `duals` are wanted (to name what binds)."""
+    unless the LP's row `duals` are wanted (to name what binds). When `_coverage` proved t = 0, the max-min
+    problem is not solved: its best start is optimal."""
     models = sorted({m for m, _p in ctx.keys})
     group = np.array([models.index(m) for m, _p in ctx.keys])
     decoding = {m for (m, p), d in zip(ctx.keys, ctx.demand, strict=True) if p == Phase.DECODE and d > 0}
@@ -221,6 +314,9 @@ def _solve_served(ctx: _Context, objective: Literal["maxmin", "goodput"], weight
     problem, layout = core.assemble(ctx.cols, ctx.market, ctx.demand, penalty_k=None, objective=objective,
                                     weights=weights, min_fraction=floor, served_group=group, gain=gain)
     start = _start(ctx, problem, layout, None, prev, weights)
+    if objective == "maxmin" and ctx.cover is not None and ctx.cover.t_zero and start is not None and not duals:
+        return _stage(ctx, solver.Outcome("Optimal", start, float(problem.cost @ start), 0.0, 0.0, 0.0, problem.n,
+                                          len(problem.row_lower), [f"t = 0 is optimal: {ctx.cover.words}"]), layout)
 
     def rounder(lp_x: np.ndarray) -> np.ndarray | None:
         x = core.water_fill(ctx.cols, ctx.market, ctx.demand * weights, base=lp_x[:layout.n_x])
@@ -264,11 +360,19 @@ def _capacity(ctx: _Context, layout: core.Layout, x: np.ndarray) -> np.ndarray:
     return cap
 
 
+def _stopped(stages: Mapping[str, solver.Outcome]) -> list[str]:
+    """Each stage that a limit stopped before it proved its optimum (within the gap), and on which limit."""
+    return [f"{name}: {out.status}" + (" (the wall-clock safety net)" if out.safety_net else " (a work limit)")
+            for name, out in stages.items() if out.status != "Optimal"]
+
+
 def _report(ctx: _Context, out: solver.Outcome, extra_time: float = 0.0, notes: list[str] | None = None,
-            stages: tuple[_Stage, ...] = ()) -> SolveReport:
+            stages: Mapping[str, solver.Outcome] | None = None) -> SolveReport:
     """The plan's solve report: `out`'s, with the wall-clock safety net's hits in `out` and the earlier `stages`
-    (`safety_net`, also noted first: a plan made when it hit depends on the machine's speed and load)."""
-    net = solver._nets(*(st.out.safety_net for st in stages), out.safety_net)
+    (`safety_net`, also noted first: a plan made when it hit depends on the machine's speed and load), and the
+    stages, `out` (the cost stage) included, that a limit stopped (`stopped`)."""
+    stages = stages or {}
+    net = solver._nets(*(st.safety_net for st in stages.values()), out.safety_net)
     pre = [f"{len(ctx.cols)} candidate columns (template, region); {ctx.cols.dropped} removed by dominance, "
            "availability fit and latency (templates on which too few requests meet the SLO served alone)"
            ] if ctx.reduce else []
@@ -276,7 +380,8 @@ def _report(ctx: _Context, out: solver.Outcome, extra_time: float = 0.0, notes: 
     return SolveReport(status=out.status, objective=out.objective, bound=out.bound, gap=out.gap,
                        time_s=out.time_s + extra_time, n_variables=out.n_cols, n_constraints=out.n_rows,
                        notes=([f"safety net: {net}"] if net else []) + pre + (notes or []) + out.notes,
-                       safety_net=net)
+                       safety_net=net, stopped=_stopped(stages if any(o is out for o in stages.values())
+                                                        else {**stages, "cost": out}))
 
 
 def _plan(ctx: _Context, out: solver.Outcome, layout: core.Layout, mode: str, report: SolveReport,
@@ -302,10 +407,12 @@ def _plan(ctx: _Context, out: solver.Outcome, layout: core.Layout, mode: str, re
                            class_throughput=class_thr, request_classes=plan_classes)
 
 
-def diagnose(ctx: _Context, out: solver.Outcome, layout: core.Layout, t: float) -> InfeasibleDemand:
+def diagnose(ctx: _Context, out: solver.Outcome, layout: core.Layout, t: float, bound: float | None
+             ) -> InfeasibleDemand:
     """Which models and (region, config)s bind: rows with a nonzero multiplier in the max-min LP; when the LP is
     not short (integrality alone), the models below full service and the configs fully used by the max-min
-    solution."""
+    solution. In words: the share `t` the best plan found serves every model and the proven `bound` on it
+    (`_t_bound`; None: none was proven)."""
     tol = 1e-9
     models: list[DemandKey] = []
     configs: list[tuple[str, str]] = []
@@ -325,9 +432,13 @@ def diagnose(ctx: _Context, out: solver.Outcome, layout: core.Layout, t: float) 
             strict=True)]
     names = ", ".join(f"{m}/{p}" for m, p in models) or "(none identified)"
     cfgs = ", ".join(f"{r}:{c}" for r, c in configs) or "(none identified)"
-    msg = (f"demand cannot be met: at most {t:.1%} of every model's demand can be served. Binding models: {names}. "
-           f"Binding node configs: {cfgs}. Use mode 'goodput' or 'scaled', or add availability.")
-    return InfeasibleDemand(msg, models, configs, t)
+    proof = (f"no plan serves more than {bound:.1%} (a proven bound)" if bound is not None else
+             f"no bound was proven before a limit stopped the solve ({out.status})")
+    cover = f" ({ctx.cover.words})" if ctx.cover is not None and not ctx.cover.covered.all() else ""
+    msg = (f"demand cannot be met: the best plan found serves {t:.1%} of every model's demand; {proof}{cover}. "
+           f"Binding models: {names}. Binding node configs: {cfgs}. Use mode 'goodput' or 'scaled', or add "
+           "availability.")
+    return InfeasibleDemand(msg, models, configs, t, bound)
 
 
 def allocate(
@@ -363,10 +474,14 @@ def allocate(
     (`coral.allocation.latency`; latency-bound keys are named in the report's notes).
 
     Deterministic: the solves stop on work limits (`coral.allocation.solver`), so the same inputs give the same
-    plan on an idle or a loaded machine. `time_limit` (s) is only a wall-clock safety net for the whole call
-    (each stage may use what is left of it; `RESERVE` of it is kept for building the plan); when it stops a
-    solve, the plan's `solve.safety_net` says where. A stage stopped by a limit keeps its incumbent; when a later
-    stage finds nothing, the plan of the stage before it is returned (noted in the report). Only the cost mode raises, when no plan meets the demand; "maxmin" and "scaled" raise when t = 0."""
+    plan on an idle or a loaded machine. `time_limit` (s) is only a wall-clock safety net for the whole call,
+    every stage included (each gets an equal share of what is left among the stages to come; `RESERVE` of it
+    is kept for building the plan); when it stops a solve, the plan's `solve.safety_net` says where, and no
+    solve starts once it has run out. A stage stopped by a limit keeps its incumbent (`solve.stopped` names
+    it); when a later stage finds nothing, the plan of the stage before it is returned (noted in the report).
+    In the scarcity modes, `_coverage` first finds the most models that can each get an instance: they keep
+    one in goodput mode when t = 0. Only the cost mode raises, when no plan meets the demand; "maxmin" and
+    "scaled" raise when t = 0."""
     if mode not in MODES:
         raise CoralInputError(f"mode: must be one of {', '.join(MODES)}, not {mode!r}")
     if not 0 < scale_step <= 1:
@@ -376,10 +491,13 @@ def allocate(
     deadline = time.perf_counter() + time_limit * (1 - RESERVE)
     ctx = _context(library, scenario, demand, availability, catalog, running, reduce, latency)
 
-    def left() -> float:
-        """The safety net of the next stage: what is left of the whole call's (not split between the stages
-        to come: splitting by time would make a stage's work depend on the machine when the net is not hit)."""
-        return max(0.05, deadline - time.perf_counter())
+    def left(stages: int = 1) -> float:
+        """The safety net of the next stage: an equal share of what is left of the whole call's among the
+        `stages` to come, this one included (what a stage leaves unused goes to the next; a stage that stops on
+        its work limits does not depend on it), at least STAGE_S: the call overruns its net by at most STAGE_S a
+        stage, not a solve (past its own net, a stage starts no further solve, `solver._left`, and keeps its
+        incumbent or warm start)."""
+        return max(STAGE_S, (deadline - time.perf_counter()) / stages)
 
     ones = np.ones(len(ctx.demand))
     if mode == "cost":
@@ -387,12 +505,15 @@ def allocate(
         if cost.out.x is None:
             raise _explain(ctx, None, ones, left(), gap)
         return _plan(ctx, cost.out, cost.layout, "cost", _report(ctx, cost.out), method)
-    stages: list[_Stage] = []
     weights = ones if mode == "scaled" else ctx.weights
-    mm = _solve_served(ctx, "maxmin", weights, None, left(), gap)
-    t = _uniform(ctx, mm, weights)
-    stages.append(mm)
-    notes = [f"stage 1 (max-min served fraction): t = {t:.6g}, {mm.out.status}, {mm.out.time_s:.3f} s"]
+    to_come = 3 if mode == "goodput" else 2  # max-min, goodput, cost
+    ctx.cover = _coverage(ctx, weights, left(to_come + 1))
+    mm = _solve_served(ctx, "maxmin", weights, None, left(to_come), gap)
+    t, t_max = _uniform(ctx, mm, weights), _t_bound(ctx, mm)
+    stages = {"stage 1 (max-min)": mm.out}
+    notes = [] if ctx.cover.x is None else [f"coverage: {ctx.cover.words}"]
+    notes.append(f"stage 1 (max-min served fraction): t = {t:.6g} (proven t ≤ "
+                 f"{'(no bound proven)' if t_max is None else f'{t_max:.6g}'}), {mm.out.status}, {mm.out.time_s:.3f} s")
     source, scale, spent = mm, 1.0, mm.out.time_s
     if (mm.served >= 1 - 1e-9).all():
         fraction: float | np.ndarray = 1.0
@@ -408,11 +529,15 @@ def allocate(
             raise _explain(ctx, mm, weights, left(), gap)
         fraction, cost_weights = t * (1 - 1e-9), weights
     else:
-        gp = _solve_served(ctx, "goodput", weights, fairness * t * weights, left(), gap, prev=mm)
+        floor = fairness * t * weights
+        if fairness > 0 and t <= 0:  # no uniform share: every model the coverage serves keeps an instance
+            floor = ctx.cover.floor
+        gp = _solve_served(ctx, "goodput", weights, floor, left(2), gap, prev=mm)
         spent += gp.out.time_s
-        stages.append(gp)
-        notes.append(f"stage 2 (SLO goodput, floor {fairness:g}·t per model): {_served_words(ctx, gp.served)}, "
-                     f"{gp.out.status}, {gp.out.time_s:.3f} s")
+        stages["stage 2 (goodput)"] = gp.out
+        notes.append(f"stage 2 (SLO goodput, floor {fairness:g}·t per model"
+                     f"{', an instance of each phase for each covered model' if t <= 0 < fairness else ''}): "
+                     f"{_served_words(ctx, gp.served)}, {gp.out.status}, {gp.out.time_s:.3f} s")
         if gp.out.x is not None:
             source = gp
         # each model's phases at the lesser of their shares: a request needs both, more of one phase is waste
@@ -423,18 +548,32 @@ def allocate(
         if source.out.x is None:
             raise _explain(ctx, mm, weights, left(), gap)
         notes.append(f"cost stage found no plan ({cost.out.status}): the previous stage's plan is kept")
-        stages.append(cost)
+        stages["stage 3 (cost)"] = cost.out
         cost = source
-    return _plan(ctx, cost.out, cost.layout, mode, _report(ctx, cost.out, spent, notes, tuple(stages)), method,
-                 scale=scale)
+    return _plan(ctx, cost.out, cost.layout, mode, _report(ctx, cost.out, spent, notes, stages), method, scale=scale)
 
 
 def _explain(ctx: _Context, mm: _Stage | None, weights: np.ndarray, time_limit: float, gap: float
              ) -> InfeasibleDemand:
-    """`diagnose` of the max-min stage `mm`, solved (again) through the LP pipeline when it has no row duals."""
+    """`diagnose` of the max-min stage `mm`, solved (again) through the LP pipeline when it has no row duals (the
+    better of the two solves' t and the lesser of their proven bounds on it are kept)."""
+    solved = [] if mm is None else [mm]
     if mm is None or mm.out.row_dual is None:
         mm = _solve_served(ctx, "maxmin", weights, None, time_limit, gap, duals=True)
-    return diagnose(ctx, mm.out, mm.layout, _uniform(ctx, mm, weights))
+        solved.append(mm)
+    proven = [b for b in (_t_bound(ctx, st) for st in solved) if b is not None]
+    t = max(_uniform(ctx, st, weights) for st in solved)
+    return diagnose(ctx, mm.out, mm.layout, t, min(proven) if proven else None)
+
+
+def _t_bound(ctx: _Context, mm: _Stage) -> float | None:
+    """A proven upper bound on the max-min stage's t (never an incumbent): 0 when `_coverage` proved that some
+    model can get no instance, else the solver's bound on its objective −t (HiGHS's dual bound, or the LP
+    pipeline's), at most 1; None when no bound was proven (a limit stopped the solve first)."""
+    if ctx.cover is not None and ctx.cover.t_zero:
+        return 0.0
+    b = mm.out.bound
+    return None if b is None or not np.isfinite(b) else float(min(1.0, max(0.0, -b)))
 
 
 def _uniform(ctx: _Context, stage: _Stage, weights: np.ndarray) -> float:

@@ -122,12 +122,13 @@ def restricted_rows(library: TemplateLibrary, usable: np.ndarray, kept: np.ndarr
                     ) -> tuple[np.ndarray, np.ndarray]:
     """(usable, undominated) rows of one key restricted to `allowed` template ids; the undominated set is
     recomputed among them when the restriction removed some (a template dominated only by a removed one is
-    undominated again)."""
+    undominated again). Memoised per library object and row sets (a re-plan asks for the same ones)."""
     ok = np.isin(usable, allowed)
     if ok.all():
         return usable, kept
     rows = usable[ok]
-    return rows, np.sort(rows[undominated(library.counts[rows], library.throughput[rows])])
+    return library.memo(("restricted_rows", rows.tobytes()), lambda: (
+        rows, np.sort(rows[undominated(library.counts[rows], library.throughput[rows])])))
 
 
 def make_columns(

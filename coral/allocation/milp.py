@@ -2,8 +2,9 @@
 
 Deterministic: HiGHS runs with one thread and serial simplex, and stops on work limits (branch-and-bound nodes
 for a MIP, simplex iterations for an LP), so the same model gives the same answer on an idle or a loaded
-machine. The wall-clock `time_limit` is only a safety net: when it stops HiGHS the result says so
-(`MilpResult.safety_net`), since what it returns then depends on the machine's speed and load."""
+machine. The wall-clock `time_limit` is only a safety net: when it stops HiGHS (or has run out before the
+solve, which then does not start) the result says so (`MilpResult.safety_net`), since what it returns then
+depends on the machine's speed and load."""
 
 from __future__ import annotations
 
@@ -124,6 +125,12 @@ def solve(
     given, at absolute gap `abs_gap` (objective − bound), whichever comes first."""
     t0 = time.perf_counter()
     n = len(cost)
+    mip = not relax and integer.any()
+    start_obj = float(np.dot(cost, start)) if start is not None and not relax else None
+    if time_limit <= 0:  # the safety net has run out: no run, the warm start (if any) is the answer
+        return MilpResult(TIME_LIMIT_STATUS, None if start_obj is None else np.asarray(start, dtype=float), start_obj,
+                          None, None, 0.0, n, rows.n_rows, safety_net="the wall-clock time limit had run out before a "
+                          f"{'MIP' if mip else 'LP'} of {n} columns and {rows.n_rows} rows")
     lp = highspy.HighsLp()
     lp.num_col_ = n
     lp.num_row_ = rows.n_rows
@@ -144,13 +151,12 @@ def solve(
     h = quiet_highs()
     h.setOptionValue("output_flag", False)
     _single_threaded(h)
-    h.setOptionValue("time_limit", float(max(time_limit, 0.01)))
+    h.setOptionValue("time_limit", float(time_limit))
     h.setOptionValue("mip_max_nodes", int(max(1, max_nodes)))
     h.setOptionValue("simplex_iteration_limit", int(max(1, max_iterations)))
     h.setOptionValue("mip_rel_gap", float(gap))
     if abs_gap is not None:
         h.setOptionValue("mip_abs_gap", float(abs_gap))
-    start_obj = float(np.dot(cost, start)) if start is not None and not relax else None
     if start_obj is not None:
         cutoff = start_obj + 1e-9 * max(1.0, abs(start_obj)) if cutoff is None else min(cutoff, start_obj)
     if cutoff is not None and not relax:
@@ -167,7 +173,6 @@ def solve(
     status = h.modelStatusToString(h.getModelStatus())
     if status == "Solution limit reached":  # what HiGHS calls a stop at `mip_max_nodes`
         status = "Node limit reached"
-    mip = not relax and integer.any()
     net = None
     if status == TIME_LIMIT_STATUS:
         net = (f"the wall-clock time limit ({time_limit:.3g} s) stopped HiGHS on a {'MIP' if mip else 'LP'} of {n} "

@@ -154,6 +154,9 @@ class SolveReport(_PlanModel):
         default=None, description="what the wall-clock time limit, a safety net only, stopped (None: nothing; the "
         "solves stop on deterministic work limits, so the same inputs give the same plan on any machine and load, "
         "unless this is set)")
+    stopped: list[str] = Field(
+        default_factory=list, description="the stages a limit stopped before they proved their optimum within the "
+        "gap, and which limit (a work limit, or the wall-clock safety net); empty: every stage proved its optimum")
 
 
 def class_weight(weight: float, per_class: dict[str, float] | None, request_class: str | None) -> float:

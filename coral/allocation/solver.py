@@ -27,7 +27,8 @@ as the incumbent, and dropping it keeps the optimum. y comes from the LP relaxat
 Deterministic. Every decision of the pipeline rests on counts (cut rounds, columns, branch-and-bound nodes per
 MIP, `milp`'s simplex iteration limit), never on the clock, so the same problem gives the same plan on an idle or
 a loaded machine. The `time_limit` of a call is a wall-clock safety net only: every HiGHS solve in it gets what
-is left of it, and when it stops one, `Outcome.safety_net` says where (the answer then depends on the machine).
+is left of it, none starts once it has run out (every loop then ends with its incumbent or warm start), and when
+it stops one, `Outcome.safety_net` says where (the answer then depends on the machine).
 """
 
 from __future__ import annotations
@@ -115,8 +116,9 @@ def _nets(*nets: str | None) -> str | None:
 
 
 def _left(deadline: float) -> float:
-    """Seconds left before `deadline` (the safety net of the whole call), at least 0.05."""
-    return max(0.05, deadline - time.perf_counter())
+    """Seconds left before `deadline` (the safety net of the whole call), 0 once it has passed (then no further
+    HiGHS run starts, `milp.solve`, and every loop of the pipeline ends with its incumbent)."""
+    return max(0.0, deadline - time.perf_counter())
 
 
 Rounder = Callable[[np.ndarray], np.ndarray | None]  # LP point -> feasible point (or None)

@@ -182,7 +182,9 @@ def solver_in_words(sv: SolveReport, mode: str = "cost") -> str:
     no feasible plan, or a rule without a solver; in a scarcity mode, what was maximised before the cost (the
     stages' own outcomes are in the report's notes)."""
     if mode in SCARCITY_GOALS:
-        return f"{SCARCITY_GOALS[mode]} (stages in the notes), then at that level: {solver_in_words(sv)}"
+        early = [s for s in sv.stopped if not s.startswith("cost:")]
+        proof = f"; not proven optimal, stopped early: {'; '.join(early)}" if early else ""
+        return f"{SCARCITY_GOALS[mode]} (stages in the notes{proof}), then at that level: {solver_in_words(sv)}"
     status = sv.status.lower()
     took = f" ({sv.time_s:.2f} s)"
     if status == "greedy":
