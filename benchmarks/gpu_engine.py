@@ -43,7 +43,7 @@ from coral.engine.layout import Layout
 from coral.engine.reference import WholeModel
 from coral.engine.scheduler import Request
 from coral.engine.shard import Shard, Step
-from coral.engine.tiny_model import TinyLlamaSpec, make_tiny_llama
+from coral.engine.tiny_model import ARCHITECTURES, TinyLlamaSpec, TinySpec, make_tiny, make_tiny_llama
 from coral.perf.measured import MANIFEST, PROFILE_FILES, ProfileManifest, ProfileSet
 from coral.perf.model import Phase
 
@@ -61,6 +61,7 @@ class Size:
     layer_counts: tuple[int, int]
     kv_gib: float
     catalog_model: str  # the catalog entry of these shapes: what the written profile names
+    repeats: int  # timed runs of each profiled step (the median is kept)
 
 
 LLAMA3_8B = Size(
@@ -68,12 +69,13 @@ LLAMA3_8B = Size(
                   num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, initializer_range=0.02),
     prompt=512, output=32, requests=32, prefill_tokens=(512, 1024, 2048, 4096, 8192),
     decode_batches=(1, 4, 16, 64, 128), layer_counts=(2, 4), kv_gib=16.0, catalog_model="llama-3-8b",
+    repeats=5,
 )
 TINY = Size(  # the catalog's tiny-llama shapes
     TinyLlamaSpec(num_hidden_layers=4, hidden_size=256, intermediate_size=512, num_attention_heads=4,
                   num_key_value_heads=2, vocab_size=1024, max_position_embeddings=8192, initializer_range=0.02),
     prompt=16, output=4, requests=4, prefill_tokens=(16, 64), decode_batches=(1, 4), layer_counts=(1, 4),
-    kv_gib=0.01, catalog_model="tiny-llama",
+    kv_gib=0.01, catalog_model="tiny-llama", repeats=15,  # steps of milliseconds on a shared CPU: more samples
 )
 
 
@@ -149,6 +151,30 @@ def generate(inst: CoralInstance, prompts: list[list[int]], output: int, togethe
     return tokens, [torch.tensor(lg) for lg in rows], time.perf_counter() - start
 
 
+def architectures_check(device: str, workdir: Path) -> dict[str, dict[str, object]]:
+    """Every catalog architecture's tiny checkpoint (float32) on `device`: greedy tokens of the whole model as one
+    Coral node and as an uneven 2-stage pipeline against transformers run whole on the same device."""
+    prompts = [[11, 52, 300, 7, 9, 400, 23, 81, 5, 640, 77, 12, 3], [500]]
+    out: dict[str, dict[str, object]] = {}
+    for arch in ARCHITECTURES:
+        ckpt = make_tiny(arch, workdir / f"tiny-{arch}", TinySpec(initializer_range=0.25))
+        reference = WholeModel(ckpt, device)
+        want = [reference.greedy(p, 8)[0] for p in prompts]
+        del reference
+        row: dict[str, object] = {}
+        cfg = EngineConfig(local=True, http=False, device=device, kv_cache_gib=0.01, max_batch=4)
+        for name, layout in (("whole", Layout.of([4], [["whole"]])), ("pipeline 1+3", Layout.of([1, 3], [["a"], ["b"]]))):
+            inst = CoralInstance(layout, ckpt, cfg).start()
+            try:
+                got, _, _ = generate(inst, prompts, 8, together=True, logits=False)
+            finally:
+                inst.stop()
+            row[name] = got == want
+        out[arch] = row
+        print(f"{arch}: {row}", file=sys.stderr)
+    return out
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -185,7 +211,7 @@ def layer_profile(ckpt: Path, size: Size, device: str) -> dict[Phase, list[tuple
         for total in size.prefill_tokens:
             steps = [Step(f"p{total}-{k}", 0, size.prompt, False) for k in range(max(total // size.prompt, 1))]
             x = torch.randint(7, vocab, (sum(s.n for s in steps),))
-            rows[Phase.PREFILL].append(step_seconds(shard, steps, x))
+            rows[Phase.PREFILL].append(step_seconds(shard, steps, x, size.repeats))
             for s in steps:
                 shard.free(s.rid)
         for batch in size.decode_batches:
@@ -193,7 +219,7 @@ def layer_profile(ckpt: Path, size: Size, device: str) -> dict[Phase, list[tuple
             shard.forward_batch([Step(r, 0, size.prompt, False) for r in rids],
                                 torch.randint(7, vocab, (batch * size.prompt,)))
             steps = [Step(r, size.prompt, 1) for r in rids]
-            rows[Phase.DECODE].append(step_seconds(shard, steps, torch.randint(7, vocab, (batch,))))
+            rows[Phase.DECODE].append(step_seconds(shard, steps, torch.randint(7, vocab, (batch,)), size.repeats))
             for r in rids:
                 shard.free(r)
         times[j] = rows
@@ -228,7 +254,8 @@ def write_profile(out: Path, config: str, rows: dict[Phase, list[tuple[int, floa
         model=size.catalog_model, input_tokens=float(size.prompt),
         output_tokens=float(size.output), configs={config: config},
         source=f"{config}: measured {date} by `python {' '.join(sys.argv)}` with the Coral engine's shard on "
-               f"{size.catalog_model}'s shapes, random weights (layer counts {size.layer_counts}, median of 5)",
+               f"{size.catalog_model}'s shapes, random weights (layer counts {size.layer_counts}, median of "
+               f"{size.repeats})",
     )
     (out / MANIFEST).write_text(yaml.safe_dump(manifest.model_dump(exclude_none=True), sort_keys=False))
 
@@ -331,6 +358,7 @@ def run(size: Size, device: str, model_dir: Path, out: Path) -> dict[str, object
     rel = max(float((lg - r[1]).abs().max() / r[1].abs().max()) for lg, r in zip(whole_logits, ref, strict=True))
     if torch.device(device).type == "cuda":
         torch.cuda.empty_cache()
+    architectures = architectures_check(device, model_dir.parent)
     rows = layer_profile(ckpt, size, device)
     config = gpu_config(device)
     write_profile(out, config, rows, size)
@@ -341,7 +369,7 @@ def run(size: Size, device: str, model_dir: Path, out: Path) -> dict[str, object
         "pipeline_tokens_equal_whole": pipe_tokens == whole_tokens, "pipeline_max_rel_logit_diff": pipeline_rel,
         "transformers_token_agreement": f"{agree}/{len(check)}", "transformers_max_rel_logit_diff": rel,
         "throughput": results, "per_layer_ms": {str(p): r for p, r in rows.items()},
-        "perf_model_vs_measured": predicted,
+        "perf_model_vs_measured": predicted, "architectures_exact_vs_transformers": architectures,
         "prompt": size.prompt, "output": size.output, "requests": size.requests,
     }
     out.mkdir(parents=True, exist_ok=True)

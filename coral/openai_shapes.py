@@ -205,37 +205,52 @@ def usage(n_prompt: int, n_out: int) -> dict[str, int]:
     return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}
 
 
-def chunk(chat: bool, rid: str, model: str, text: str, finish: str | None, first: bool) -> dict[str, Any]:
-    """One SSE chunk of a streamed (chat) completion."""
-    choice: dict[str, Any] = {"index": 0, "finish_reason": finish}
+def chunk(chat: bool, rid: str, model: str, text: str, finish: str | None, first: bool, index: int = 0,
+          logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One SSE chunk of a streamed (chat) completion: choice `index`'s new text (`first`: its first chunk)."""
+    choice: dict[str, Any] = {"index": index, "finish_reason": finish}
     if chat:
         choice["delta"] = {"role": "assistant", "content": text} if first else {"content": text}
+        if logprobs is not None:
+            choice["logprobs"] = logprobs
         obj = "chat.completion.chunk"
     else:
-        choice["text"], choice["logprobs"], obj = text, None, "text_completion"
+        choice["text"], choice["logprobs"], obj = text, logprobs, "text_completion"
     return {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": [choice]}
 
 
-def full(chat: bool, rid: str, model: str, text: str, n_prompt: int, n_out: int) -> dict[str, Any]:
-    """The whole answer of a non-streamed (chat) completion."""
+def choice_body(chat: bool, index: int, text: str, finish: str | None = "length",
+                logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One choice of a non-streamed (chat) completion."""
     if chat:
-        choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text}}
-        obj = "chat.completion"
-    else:
-        choice, obj = {"index": 0, "text": text, "logprobs": None}, "text_completion"
-    choice["finish_reason"] = "length"
+        return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+                "finish_reason": finish}
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+
+
+def full(chat: bool, rid: str, model: str, text: str, n_prompt: int, n_out: int,
+         choices: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """The whole answer of a non-streamed (chat) completion: one choice of `text`, or `choices`."""
     return {
         "id": rid,
-        "object": obj,
+        "object": "chat.completion" if chat else "text_completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [choice],
+        "choices": choices if choices is not None else [choice_body(chat, 0, text)],
         "usage": usage(n_prompt, n_out),
     }
 
 
 def error_body(message: str, kind: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 429: "rate_limit_error"}
+
+
+def error_type(status: int) -> str:
+    """OpenAI's error `type` for an HTTP status (server_error for 5xx, invalid_request_error for other 4xx)."""
+    return ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
 
 
 def bearer_token(authorization: str) -> str:

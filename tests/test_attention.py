@@ -70,6 +70,15 @@ def test_any_micro_batch_matches_the_reference(steps: list[tuple[int, int]], win
              with_sinks=sinks, seed=seed)
 
 
+def test_groups_cut_into_calls_within_the_gather_budget_match_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A budget of a few keys' bytes: every group runs as several SDPA calls (as on a CPU with long contexts)."""
+    from coral.engine import attention
+
+    monkeypatch.setitem(attention.GATHER_BYTES, "cpu", 2 * 40 * 2 * 8 * 8)  # about two requests of 40 keys
+    run_case([33, 35, 30, 0, 2, 31], [1, 1, 1, 6, 5, 1], heads=4, kv_heads=2, window=None, with_sinks=True, seed=3)
+    run_case([33, 35, 30, 0, 2, 31], [1, 1, 1, 6, 5, 1], heads=4, kv_heads=2, window=4, with_sinks=False, seed=4)
+
+
 def test_slot_lists_that_do_not_cover_the_tokens_are_refused() -> None:
     with pytest.raises(ValueError, match="3 slots for 2 \\+ 2 tokens"):
         AttentionBatch.build([2], [2], [torch.arange(3)], torch.device("cpu"))

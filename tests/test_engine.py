@@ -287,7 +287,7 @@ def test_pd_between_different_layouts_is_exact(ckpt, whole):
         for n_prompt, n_out in [(5, 6), (1, 3), (13, 1), (8, 4)]:
             prompt = [rng.randrange(7, 1024) for _ in range(n_prompt)]
             body = {"model": "tiny", "prompt": prompt, "max_tokens": n_out, "ignore_eos": True,
-                    "return_token_ids": True}
+                    "return_token_ids": True, "temperature": 0}
             pd = {**body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
             first = httpx.post(f"{pre.url}/v1/completions", json=pd, timeout=30).json()
             kv = first["kv_transfer_params"]
@@ -319,7 +319,7 @@ def test_http_streaming_chat_and_errors(ckpt, whole):
         assert httpx.get(f"{base}/health").json()["status"] == "ok"
         assert httpx.get(f"{base}/v1/models").json()["data"][0]["id"] == "tiny"
         body = {"model": "tiny", "messages": [{"role": "user", "content": "hello world"}], "max_tokens": 5,
-                "stream": True, "ignore_eos": True, "return_token_ids": True}
+                "stream": True, "ignore_eos": True, "return_token_ids": True, "temperature": 0}
         with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=30) as r:
             lines = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
         assert lines[-1] == "data: [DONE]"
@@ -343,12 +343,65 @@ def test_http_streaming_chat_and_errors(ckpt, whole):
                 break
             time.sleep(0.05)
         assert not inst.scheduler.active and inst.scheduler.batches - before < 400
+        # so does a client leaving before a non-streamed answer
+        before = inst.scheduler.batches
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{base}/v1/completions", json={**long, "stream": False, "max_tokens": 2000}, timeout=0.5)
+        for _ in range(200):
+            if not inst.scheduler.active:
+                break
+            time.sleep(0.05)
+        assert not inst.scheduler.active and inst.scheduler.batches - before < 1900
         bad = httpx.post(f"{base}/v1/completions", json={"model": "other", "prompt": "x"})
         assert bad.status_code == 404
         bad = httpx.post(f"{base}/v1/completions", json={"model": "tiny", "prompt": [5000]})
         assert bad.status_code == 400
     finally:
         inst.stop()
+
+
+def test_http_admission_bound_deadline_and_node_failure(ckpt):
+    """A scheduler whose nodes never come (its requests wait forever) behind the HTTP server: a deadline passed
+    on arrival or while waiting is a 504, waiting requests beyond `max_waiting` a 503 with Retry-After at once,
+    and a node failure ends the waiting requests with a retryable 503 and makes /health name the node."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import zmq
+    from transformers import AutoTokenizer
+
+    from coral.engine.server import DEADLINE_HEADER, Limits, create_instance_app
+    from coral.runtime.server import ServerThread
+
+    sched = Scheduler(Layout.of([6], [["a"]], model="tiny"), zmq.Context.instance(), "inproc://admission-test").start()
+    limits = Limits(2048, max_waiting=2, retry_after_s=3)
+    srv = ServerThread(create_instance_app(sched, AutoTokenizer.from_pretrained(ckpt), 1024, "tiny", "i", limits))
+    url = f"{srv.start().url}/v1/completions"
+    body = {"model": "tiny", "prompt": [5, 6], "max_tokens": 3}
+    try:
+        r = httpx.post(url, json=body, headers={DEADLINE_HEADER: str(time.time() + 0.3)}, timeout=60)
+        assert r.status_code == 504 and r.json()["error"]["code"] == "deadline_exceeded" and sched.waiting == 0
+        r = httpx.post(url, json=body, headers={DEADLINE_HEADER: str(time.time() - 1)}, timeout=60)
+        assert r.status_code == 504 and r.json()["error"]["code"] == "deadline_exceeded"
+        with ThreadPoolExecutor(2) as pool:
+            held = [pool.submit(httpx.post, url, json=body, timeout=60) for _ in range(2)]
+            for _ in range(600):
+                if sched.waiting == 2:
+                    break
+                time.sleep(0.05)
+            r = httpx.post(url, json=body, timeout=60)
+            assert r.status_code == 503 and r.headers["retry-after"] == "3"
+            assert r.json()["error"]["code"] == "engine_overloaded" and r.json()["error"]["type"] == "server_error"
+            sched.fail("node 0 (a, stage 0, TP rank 0, pid 1) exited with code -9")
+            for f in held:
+                r = f.result()
+                assert r.status_code == 503 and r.json()["error"]["code"] == "engine_unavailable"
+                assert "node 0" in r.json()["error"]["message"] and r.headers["retry-after"] == "3"
+        health = httpx.get(f"{srv.url}/health")
+        assert health.status_code == 503 and "node 0" in health.json()["error"]["message"]
+        assert httpx.post(url, json=body, timeout=60).status_code == 503 and sched.waiting == 0
+    finally:
+        srv.stop()
+        sched.stop()
 
 
 def test_http_needs_the_gateways_engine_token(ckpt):
@@ -406,10 +459,20 @@ def test_gpu_engine_benchmark_runs_tiny_on_cpu(tmp_path):
     out = tmp_path / "out"
     proc = subprocess.run([sys.executable, str(root / "benchmarks" / "gpu_engine.py"), "--device", "cpu",
                            "--workdir", str(tmp_path / "work"), "--out", str(out)],
-                          cwd=root, capture_output=True, text=True, timeout=240)
+                          cwd=root, capture_output=True, text=True, timeout=480)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((out / "gpu_engine.json").read_text())
     assert summary["pipeline_exact_vs_whole"] and summary["config"] == "1xCPU"
     assert summary["throughput"]["pipeline"]["batched_equals_sequential"] is not None
     profiles = ProfileSet.read(out)
     assert {phase for _, phase in profiles.profiles} == {Phase.PREFILL, Phase.DECODE}
+    assert all((prof.seconds > 1e-6).all() for prof in profiles.profiles.values())  # no clamped point
+    assert {r["config"] for r in summary["perf_model_vs_measured"]} == {"1xCPU"}
+    assert all(all(exact.values()) for exact in summary["architectures_exact_vs_transformers"].values())
+    assert len(summary["architectures_exact_vs_transformers"]) == 5
+    # `coral perf calibrate` takes the folder as written: the manifest names a catalog model
+    calibrate = subprocess.run([sys.executable, "-m", "coral.cli.main", "perf", "calibrate", str(out),
+                                "--out", str(tmp_path / "params.yaml")],
+                               cwd=root, capture_output=True, text=True, timeout=240)
+    assert calibrate.returncode == 0, calibrate.stdout[-2000:] + calibrate.stderr[-2000:]
+    assert (tmp_path / "params.yaml").exists()

@@ -4,7 +4,9 @@ gateway and controller. Outputs are compared token for token with the model run 
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -16,7 +18,7 @@ import pytest
 
 from coral.engine.instance import CoralInstance
 from coral.engine.reference import WholeModel
-from coral.engine.tiny_model import TinyLlamaSpec, make_tiny_llama
+from coral.engine.tiny_model import TinyLlamaSpec, make_tiny, make_tiny_llama
 from coral.runtime.coral_backend import SERVE_MODEL_LAYERS
 from coral.runtime.handmade import make_instance, make_plan
 from coral.runtime.server import free_port
@@ -38,7 +40,7 @@ def test_multiprocess_instance_with_openai_client(tmp_path):
         client = openai.OpenAI(base_url=f"{inst.url}/v1", api_key="unused")
 
         def complete(prompt: list[int]) -> list[int]:
-            r = client.completions.create(model="tiny", prompt=prompt, max_tokens=6,
+            r = client.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=0,
                                           extra_body={"ignore_eos": True, "return_token_ids": True})
             return list(r.choices[0].model_extra["token_ids"])
 
@@ -59,6 +61,78 @@ def test_multiprocess_instance_with_openai_client(tmp_path):
     assert all(p.poll() is not None for p in inst.procs)
 
 
+def test_a_dead_node_fails_requests_in_flight_at_once(tmp_path):
+    """2 stages as 2 processes; SIGKILL the last one while a streamed and a non-streamed request run: both end
+    with the retryable error (503 + Retry-After; an SSE error event), /health names the node, new requests get
+    503 at once. Without the watcher they would wait for tokens that never come (the clients' 120 s timeout)."""
+    ckpt = make_tiny_llama(tmp_path / "tiny", TinyLlamaSpec(num_hidden_layers=4, initializer_range=0.25))
+    plan_inst = make_instance("tiny", "decode", [(40, ["1xL4"]), (24, ["1xL40S"])], 900.0)
+    inst = CoralInstance.from_plan(plan_inst, ckpt).start()
+    body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 2000, "ignore_eos": True}
+    url = f"{inst.url}/v1/completions"
+    try:
+        with ThreadPoolExecutor(1) as pool, httpx.stream("POST", url, json={**body, "stream": True}, timeout=120) as s:
+            lines = s.iter_lines()
+            assert next(lines).startswith("data: {")  # streaming: the request is in flight
+            plain = pool.submit(httpx.post, url, json=body, timeout=120)
+            while inst.scheduler is not None and len(inst.scheduler.active) < 2:
+                time.sleep(0.05)
+            os.kill(inst.procs[-1].pid, signal.SIGKILL)
+            rest = list(lines)
+            r = plain.result()
+        events = [ln for ln in rest if ln.startswith(("event:", "data:"))]
+        assert events[-2] == "event: error", rest[-4:]
+        error = json.loads(events[-1].removeprefix("data: "))["error"]
+        assert error["code"] == "engine_unavailable" and "node 1" in error["message"]
+        assert r.status_code == 503 and r.headers["retry-after"] and r.json()["error"]["code"] == "engine_unavailable"
+        health = httpx.get(f"{inst.url}/health")
+        assert health.status_code == 503 and "node 1 (1xL40S" in health.json()["error"]["message"]
+        assert httpx.post(url, json=body, timeout=120).status_code == 503
+    finally:
+        inst.stop()
+    assert all(p.poll() is not None for p in inst.procs)
+
+
+def serve_plan(tmp_path: Path, scenario: str, plan_path: Path, instances: int) -> tuple[subprocess.Popen[bytes], str]:
+    """`coral serve SCENARIO --plan PLAN --backend coral` on loopback, once all `instances` are ready (the tiny
+    checkpoints are made under `tmp_path/cache`)."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "coral.cli.main", "serve", scenario, "--plan", str(plan_path), "--backend",
+           "coral", "--port", str(port), "--db", str(tmp_path / "serve.sqlite")]
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 600
+    ready, st = 0, {}
+    while time.monotonic() < deadline and proc.poll() is None and ready < instances:
+        try:
+            st = httpx.get(f"{url}/state", timeout=2).json()
+            ready = sum(i["state"] == "ready" for i in st["instances"])
+        except httpx.HTTPError:
+            ready = 0
+        time.sleep(0.2)
+    if ready < instances:
+        proc.terminate()
+        out = proc.communicate(timeout=30)[0].decode() if proc.stdout else ""
+        raise AssertionError(f"{ready}/{instances} instances ready: {out[-3000:] or st}")
+    return proc, url
+
+
+def served_tokens(url: str, model: str, prompt: list[int], max_tokens: int) -> list[int]:
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused")
+    r = client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                  extra_body={"ignore_eos": True, "return_token_ids": True})
+    return list(r.choices[0].model_extra["token_ids"])
+
+
+def tiny_served(tmp_path: Path, arch: str) -> Path:
+    """The tiny checkpoint of `arch` the backend made (checked unchanged: same spec, no rewrite)."""
+    ckpt = tmp_path / "cache" / "coral" / f"tiny-{arch}"
+    spec = TinyLlamaSpec(num_hidden_layers=SERVE_MODEL_LAYERS, initializer_range=0.25)
+    assert make_tiny(arch, ckpt, spec) == ckpt
+    return ckpt
+
+
 def test_coral_serve_backend_coral_pd_through_gateway(tmp_path):
     """`coral serve --backend coral`: prefill on [40 | 24] layers (a TP-2 node first), decode on [16 | 48] with
     2 nodes in its second stage (one TP-2); the gateway's PD path hands the KV over re-sharded by layer (and by
@@ -67,31 +141,10 @@ def test_coral_serve_backend_coral_pd_through_gateway(tmp_path):
         make_instance("phi-4", "prefill", [(40, ["2xL40S"]), (24, ["1xL4"])], 6000.0, template_id=1),
         make_instance("phi-4", "decode", [(16, ["1xL4"]), (48, ["1xL4", "2xA10G"])], 500.0, template_id=2),
     ])
-    plan_path = plan.save(tmp_path / "plan.json")
-    port = free_port()
-    cmd = [sys.executable, "-m", "coral.cli.main", "serve", "core", "--plan", str(plan_path), "--backend",
-           "coral", "--port", str(port), "--db", str(tmp_path / "serve.sqlite")]
-    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
-    url = f"http://127.0.0.1:{port}"
+    proc, url = serve_plan(tmp_path, "core", plan.save(tmp_path / "plan.json"), 2)
     try:
-        deadline = time.monotonic() + 300
-        ready = 0
-        while time.monotonic() < deadline and proc.poll() is None and ready < 2:
-            try:
-                st = httpx.get(f"{url}/state", timeout=2).json()
-                ready = sum(i["state"] == "ready" for i in st["instances"])
-            except httpx.HTTPError:
-                ready = 0
-            time.sleep(0.2)
-        assert ready == 2, proc.stdout.read().decode() if proc.poll() is not None and proc.stdout else st
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused")
-        r = client.completions.create(model="phi-4", prompt=PROMPTS[2], max_tokens=5,
-                                      extra_body={"ignore_eos": True, "return_token_ids": True})
-        ckpt = Path(tmp_path / "cache" / "coral" / "tiny-llama")
-        spec = TinyLlamaSpec(num_hidden_layers=SERVE_MODEL_LAYERS, initializer_range=0.25)
-        assert make_tiny_llama(ckpt, spec) == ckpt  # the model the backend made (no rewrite)
-        assert r.choices[0].model_extra["token_ids"] == WholeModel(ckpt).greedy(PROMPTS[2], 5)[0]
+        got = served_tokens(url, "phi-4", PROMPTS[2], 5)
+        assert got == WholeModel(tiny_served(tmp_path, "phi3")).greedy(PROMPTS[2], 5)[0]  # phi-4's architecture
         instances = httpx.get(f"{url}/state").json()["instances"]
         assert {i["phase"]: i["served"] for i in instances} == {"prefill": 1, "decode": 1}
         (decode_url,) = [i["url"] for i in instances if i["phase"] == "decode"]
@@ -101,6 +154,34 @@ def test_coral_serve_backend_coral_pd_through_gateway(tmp_path):
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+#: one model of each architecture of the catalog, in the `extended` scenario
+ARCH_MODELS = {"phi-4": "phi3", "gpt-oss-20b": "gpt_oss", "qwen3-32b": "qwen3", "llama-3-70b": "llama",
+               "qwen3-235b": "qwen3_moe"}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_every_catalog_architecture_through_coral_serve_on_a_heterogeneous_pd_plan(tmp_path):
+    """`coral serve extended --backend coral` with a heterogeneous PD pair per architecture (prefill: 2 stages on
+    different node configs; decode: one stage of 2 data-parallel nodes of different configs): every model's
+    answer through the gateway equals transformers' greedy output on the tiny checkpoint of its architecture,
+    the KV handed over from prefill to decode."""
+    instances = []
+    for t, model in enumerate(ARCH_MODELS):
+        instances += [make_instance(model, "prefill", [(1, ["1xL4"]), (3, ["1xL40S"])], 6000.0, template_id=2 * t),
+                      make_instance(model, "decode", [(4, ["1xA10G", "1xL4"])], 500.0, template_id=2 * t + 1)]
+    proc, url = serve_plan(tmp_path, "extended", make_plan(instances).save(tmp_path / "plan.json"), len(instances))
+    try:
+        for model, arch in ARCH_MODELS.items():
+            want = WholeModel(tiny_served(tmp_path, arch)).greedy(PROMPTS[2], 5)[0]
+            assert served_tokens(url, model, PROMPTS[2], 5) == want, model
+        decode = [i for i in httpx.get(f"{url}/state").json()["instances"] if i["phase"] == "decode"]
+        assert all(httpx.get(f"{i['url']}/health").json()["remote_prefills"] == 1 for i in decode)
+    finally:
+        proc.terminate()
+        proc.wait(60)
 
 
 def test_nodes_started_from_the_plan_on_their_machines(tmp_path):
@@ -129,7 +210,7 @@ def test_nodes_started_from_the_plan_on_their_machines(tmp_path):
                 pass
             time.sleep(0.2)
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused")
-        r = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=5,
+        r = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=5, temperature=0,
                                       extra_body={"ignore_eos": True, "return_token_ids": True})
         assert r.choices[0].model_extra["token_ids"] == WholeModel(ckpt).greedy(PROMPTS[0], 5)[0]
     finally:

@@ -309,8 +309,31 @@ def test_prompts_longer_than_the_context_are_refused_before_routing():
             r = httpx.post(f"{url}{path}", json=body)
             assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", body
         assert s.state("d0").served == 0
-        fits = httpx.post(f"{url}/v1/completions", json={"model": "m", "prompt": list(range(1000)), "max_tokens": 1})
+        with_output = {"model": "m", "prompt": list(range(1000)), "max_tokens": 1}  # the prompt fits, not its answer
+        r = httpx.post(f"{url}/v1/completions", json=with_output)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+        fits = httpx.post(f"{url}/v1/completions", json={"model": "m", "prompt": list(range(999)), "max_tokens": 1})
         assert fits.status_code == 200 and s.state("d0").served == 1
+
+
+def test_each_model_is_bounded_by_its_catalog_context_and_n_x_max_tokens_by_the_cap():
+    from coral.catalog.loader import builtin_catalog
+
+    assert GatewayConfig().context_of("llama-2-70b") == builtin_catalog().model("llama-2-70b").max_position_embeddings
+    assert GatewayConfig(max_prompt_tokens=777).context_of("not-in-the-catalog") == 777
+    with stack(GatewayConfig(max_output_tokens=100)) as s:
+        s.engine("d0", "llama-2-70b", "decode", 1.0, FAST)  # a context of 4,096 tokens
+        s.engine("d1", "m", "decode", 1.0, FAST)  # not in the catalog: the global bound (131,072)
+        url = f"{s.gateway.url}/v1/completions"
+        over = {"model": "llama-2-70b", "prompt": list(range(4000)), "max_tokens": 97}
+        r = httpx.post(url, json=over)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+        assert "4096" in r.json()["error"]["message"]
+        assert httpx.post(url, json={**over, "model": "m"}).status_code == 200
+        assert httpx.post(url, json={**over, "max_tokens": 96}).status_code == 200
+        many = httpx.post(url, json={"model": "m", "prompt": "x", "max_tokens": 51, "n": 2})
+        assert many.status_code == 400 and many.json()["error"]["code"] == "too_many_tokens"
+        assert httpx.post(url, json={"model": "m", "prompt": "x", "max_tokens": 50, "n": 2}).status_code == 200
 
 
 def test_a_timed_out_request_is_not_retried_and_its_instance_is_ejected():
@@ -351,14 +374,15 @@ def test_scenario_numbers_are_bounded_and_errors_name_file_and_field(tmp_path, c
 
 def test_the_prefill_phase_times_out_from_its_own_budget_and_is_not_redone_by_decode():
     with stack(GatewayConfig(prefill_timeout_s={"m": 0.5}, eject_s=3600)) as s:
-        s.engine("p0", "m", "prefill", 1.0, EngineTiming.constant(ttft_s=3600))
+        s.engine("p0", "m", "prefill", 10.0, EngineTiming.constant(ttft_s=3600))
+        s.engine("p1", "m", "prefill", 1.0, FAST)
         s.engine("d0", "m", "decode", 1.0, FAST)
         url = f"{s.gateway.url}/v1/chat/completions"
         r = httpx.post(url, json=chat(), timeout=60)
         assert r.status_code == 504 and "p0 did not answer within 0.5 s" in r.json()["error"]["message"]
-        assert s.state("d0").served == 0  # the decode instance did not prefill it instead
-        r = httpx.post(url, json=chat(), timeout=60)  # p0 ejected: the decode instance prefills locally
-        assert r.status_code == 200 and s.state("d0").prefills == 1
+        assert s.state("d0").served == 0 and s.state("p1").served == 0  # not prefilled elsewhere instead
+        r = httpx.post(url, json=chat(), timeout=60)  # p0 ejected: p1 prefills
+        assert r.status_code == 200 and s.state("p1").served == 1 and s.state("d0").prefills == 0
 
 
 def test_pd_streams_are_retried_past_a_refused_connection():

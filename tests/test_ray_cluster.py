@@ -71,7 +71,7 @@ class Runtime:
         raise AssertionError(f"instances not {states}: {self.state()['instances']}, actions {st['actions'][:8]}")
 
     def complete(self, prompt: list[int], max_tokens: int = 5) -> list[int]:
-        r = self.client.completions.create(model="phi-4", prompt=prompt, max_tokens=max_tokens,
+        r = self.client.completions.create(model="phi-4", prompt=prompt, max_tokens=max_tokens, temperature=0,
                                            extra_body={"ignore_eos": True, "return_token_ids": True})
         return list(r.choices[0].model_extra["token_ids"])
 

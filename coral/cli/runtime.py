@@ -217,7 +217,7 @@ def register(app: typer.Typer) -> None:
         gpus: str = typer.Option("", help="vllm backend: GPU indices to hand out, e.g. '0,1,2,3'"),
         vllm_bin: str = typer.Option("vllm", help="vllm backend: the vllm executable"),
         checkpoint: Path | None = typer.Option(
-            None, help="coral backend: Llama checkpoint directory (default: the tiny test model, made once)"
+            None, help="coral backend: checkpoint directory (default: a tiny model of each plan model's architecture, made once)"
         ),
         ray: bool = typer.Option(
             False, "--ray", help="coral backend: run the instances on a Ray cluster, each plan node on a Ray node "

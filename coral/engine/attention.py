@@ -8,7 +8,10 @@ masked), and a boolean mask lets query i of a request see the request's keys at 
 a sliding-window layer, > start + i − window). Decode steps (one query each) and prefill chunks are grouped
 apart, so a long chunk never pads every decode step to its length; within each kind, requests sorted by length
 are cut into groups whose padding stays under `max_padding` of their keys (gathering keys is what costs on a
-CPU: a group padded to twice its keys copies twice the memory), so a batch of similar lengths is one call.
+CPU: a group padded to twice its keys copies twice the memory), so a batch of similar lengths is one call. On a
+CPU a group's gathered keys and values are also kept within `GATHER_BYTES` per call (a few MiB, so they are read
+back from cache: one 130 MiB gather for 128 requests ran 2.5x slower than 128 small ones, chunks of 4-16 MiB at
+par, `benchmarks/attention.py`); on a GPU a group is one call, however large.
 
 Extras some architectures need: grouped-query attention (key/value heads shared by several query heads), a
 per-layer sliding window, and per-head attention sinks (gpt-oss): a sink adds exp(sink) to a head's softmax
@@ -22,6 +25,9 @@ from dataclasses import dataclass, field
 
 import torch
 from torch.nn.functional import scaled_dot_product_attention
+
+#: bytes of gathered keys + values per SDPA call, per device type (absent: no bound)
+GATHER_BYTES = {"cpu": 8 << 20}
 
 
 @dataclass
@@ -111,21 +117,32 @@ class AttentionBatch:
             raise ValueError(f"{q.shape[0]} queries for a micro-batch of {self.tokens} tokens")
         out = torch.empty_like(q)
         heads, kv_heads, dim = q.shape[1], k_cache.shape[1], q.shape[2]
+        budget = GATHER_BYTES.get(q.device.type)
         for g in self.groups:
-            b, n = g.rows.shape
             span = g.keys.shape[1]
-            queries = q.index_select(0, g.rows.flatten()).view(b, n, heads, dim).transpose(1, 2)
-            keys = k_cache.index_select(0, g.keys.flatten()).view(b, span, kv_heads, dim).transpose(1, 2)
-            values = v_cache.index_select(0, g.keys.flatten()).view(b, span, kv_heads, dim).transpose(1, 2)
-            mask: torch.Tensor = g.mask(window)
-            if sinks is not None:
-                bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
-                sink = sinks.to(q.dtype).view(1, heads, 1, 1).expand(b, heads, n, 1)
-                mask = torch.cat([bias.expand(b, heads, n, span), sink], dim=-1)
-                zero = keys.new_zeros(b, kv_heads, 1, dim)
-                keys, values = torch.cat([keys, zero], dim=2), torch.cat([values, zero], dim=2)
-            res = scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scale,
-                                               enable_gqa=heads != kv_heads)
-            res = res.transpose(1, 2)[g.valid]  # (valid queries, heads, dim), in row order
-            out.index_copy_(0, g.rows[g.valid], res)
+            per_request = 2 * span * kv_heads * dim * k_cache.element_size()
+            step = len(g.keys) if budget is None else max(1, budget // per_request)
+            for a in range(0, len(g.keys), step):
+                rows, valid, slots = g.rows[a:a + step], g.valid[a:a + step], g.keys[a:a + step]
+                res = self._call(q.index_select(0, rows.flatten()).view(*rows.shape, heads, dim).transpose(1, 2),
+                                 k_cache.index_select(0, slots.flatten()).view(*slots.shape, kv_heads, dim),
+                                 v_cache.index_select(0, slots.flatten()).view(*slots.shape, kv_heads, dim),
+                                 g.mask(window)[a:a + step], scale, sinks)
+                out.index_copy_(0, rows[valid], res.transpose(1, 2)[valid])  # valid queries, in row order
         return out
+
+    @staticmethod
+    def _call(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float,
+              sinks: torch.Tensor | None) -> torch.Tensor:
+        """One SDPA call: queries (B, heads, N, dim), keys and values (B, L, kv_heads, dim), mask (B, 1, N, L)."""
+        b, heads, n, dim = queries.shape
+        keys, values = keys.transpose(1, 2), values.transpose(1, 2)
+        kv_heads, span = keys.shape[1], keys.shape[2]
+        if sinks is not None:
+            bias = torch.zeros(mask.shape, dtype=queries.dtype, device=queries.device).masked_fill_(~mask, float("-inf"))
+            sink = sinks.to(queries.dtype).view(1, heads, 1, 1).expand(b, heads, n, 1)
+            mask = torch.cat([bias.expand(b, heads, n, span), sink], dim=-1)
+            zero = keys.new_zeros(b, kv_heads, 1, dim)
+            keys, values = torch.cat([keys, zero], dim=2), torch.cat([values, zero], dim=2)
+        return scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scale,
+                                            enable_gqa=heads != kv_heads)

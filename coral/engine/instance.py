@@ -6,57 +6,38 @@ of config '2xA10G' is a tensor-parallel pair), all in one torch.distributed proc
 a file in a temporary directory (or `EngineConfig.dist_init` across machines), waits until every node has
 loaded its shard, and serves the OpenAI API on `url`. With `EngineConfig(local=True)` the nodes are threads of
 this process exchanging activations through queues (same node and scheduler code, no TP; for tests).
+
+Once serving, a watcher thread polls the node processes (or threads): when one is gone the scheduler fails every
+request in flight at once and refuses new ones, and /health names the node (`problem`).
 """
 
 from __future__ import annotations
 
-import os
+import json
 import shlex
 import subprocess
 import tempfile
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import zmq
 
 from coral.allocation.plan import PlanInstance
-from coral.engine.launch import NodeConfig, on_machine, spawn_node
-from coral.engine.layout import Layout, NodeSlot
-from coral.engine.node import Node
+from coral.engine.launch import (
+    EngineConfig,
+    InstanceProcesses,
+    NodeConfig,
+    plan_instance,
+    plan_layout,
+    spawn_node,
+)
+from coral.engine.layout import Layout
+from coral.engine.node import serve_local
 from coral.engine.scheduler import Scheduler
-from coral.engine.shard import checkpoint_layers
-from coral.engine.transport import LocalHub, LocalTransport, advertised
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    device: str = "cpu"  # 'cpu', or 'cuda': process of rank r on cuda:r (one machine, a GPU per process)
-    dist_backend: str = "gloo"  # 'nccl' with CUDA devices
-    dist_init: str = ""  # torch.distributed init_method; empty: a file in a temporary directory (one machine)
-    host: str = "127.0.0.1"  # address the scheduler, the nodes and the HTTP server bind to
-    results_port: int = 0  # port of the scheduler's results socket (0: one the OS picks; nodes started elsewhere
-    # from the plan, `python -m coral.engine.node --plan`, need a fixed one)
-    advertise: str = ""  # address other machines reach this one by, when `host` is 0.0.0.0
-    launch: bool = True  # start the node processes here; False: they are started elsewhere (`node_commands`)
-    threads_per_node: int = 1
-    max_batch: int = 32  # sequences per micro-batch
-    max_batch_tokens: int = 4096  # new tokens per micro-batch (decode steps first, prefills chunked to the rest)
-    kv_cache_gib: float = 0.25  # KV pool preallocated by each node process
-    kv_block_size: int = 16  # tokens per KV block
-    kv_blocks: int = 0  # KV blocks per node process (0: as many as fit in the budget)
-    kv_cache_fraction: float = 0.0  # > 0: each node's KV budget is this fraction of its device's free memory
-    max_inflight: int | None = None  # default: stages x widest stage
-    start_timeout_s: float = 180.0
-    kv_ttl_s: float = 120.0
-    local: bool = False  # nodes as threads of this process (tests)
-    http: bool = True  # serve the OpenAI API (False: drive `scheduler` directly)
-    port: int = 0  # HTTP port (0: a free one)
-    tensor_parallel: bool = True  # a node of TP degree t runs as t processes (1 when `local`; see `node_tp`)
-    api_key: str | None = field(default=None, repr=False)  # the gateway's engine token: `/v1/*` needs it
+from coral.engine.transport import LocalHub, advertised
 
 
 class CoralInstance:
@@ -74,29 +55,17 @@ class CoralInstance:
         self.server: Any = None
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
         self._name = ""
-        self.tp = [self.node_tp(n.tp) for n in layout.nodes]
-        leaders = [sum(self.tp[:r]) for r in range(len(self.tp))]
-        # (node, TP rank) of each process, by process rank; the leader (TP rank 0) of node r has rank leaders[r]
-        self.processes = [(n, t) for n in layout.nodes for t in range(self.tp[n.rank])]
-        self.leaders = leaders
-        self.tp_groups = [list(range(a, a + t)) for a, t in zip(leaders, self.tp, strict=True) if t > 1]
-
-    def node_tp(self, planned: int) -> int:
-        """Processes of a node of TP degree `planned`: the largest degree <= it that divides the model's
-        attention heads, KV heads and MLP width (the tiny model has 2 KV heads); 1 for thread nodes."""
-        if self.config.local or not self.config.tensor_parallel:
-            return 1
-        from transformers import AutoConfig
-
-        c = AutoConfig.from_pretrained(self.checkpoint)
-        dims = (c.num_attention_heads, c.num_key_value_heads, c.intermediate_size)
-        return max(t for t in range(1, planned + 1) if all(d % t == 0 for d in dims))
+        self._stopping = threading.Event()
+        self._watcher = threading.Thread(target=self._watch, name=f"coral-watch-{layout.instance_id}", daemon=True)
+        self.nodes = InstanceProcesses(layout, self.checkpoint, self.config)
+        self.tp = self.nodes.tp  # processes of each node (its TP degree)
+        self.processes = self.nodes.processes  # (node, TP rank) of each process, by process rank
 
     @classmethod
     def from_plan(cls, instance: PlanInstance, checkpoint: str | Path, config: EngineConfig | None = None,
                   log_dir: Path | None = None) -> CoralInstance:
         """The plan instance's stages over the checkpoint's layers (split scaled, see `coral.engine.layout`)."""
-        return cls(Layout.from_plan(instance, checkpoint_layers(checkpoint)), checkpoint, config, log_dir)
+        return cls(plan_layout(instance, checkpoint), checkpoint, config, log_dir)
 
     @property
     def url(self) -> str:
@@ -122,8 +91,9 @@ class CoralInstance:
 
     def node_configs(self, results: str) -> list[NodeConfig]:
         """The configuration of each node process, by process rank, for a scheduler whose results socket is
-        `results` (also called, without a scheduler here, by nodes started from the plan on their machines)."""
-        return [self._node_config(n, p, results) for p, (n, _) in enumerate(self.processes)]
+        `results`."""
+        dist_init = f"file://{self._tmp.name}/dist-store" if self._tmp is not None else ""
+        return self.nodes.node_configs(results, self._name, dist_init)
 
     def node_commands(self) -> list[list[str]]:
         """argv of each process, by process rank (run them on the nodes' machines when `launch` is False)."""
@@ -136,6 +106,7 @@ class CoralInstance:
             if self.config.launch:
                 self._start_nodes(nodes)
             self._wait_ready()
+            self._watcher.start()
             if self.config.http:
                 self._serve_http()
         except BaseException:
@@ -143,27 +114,11 @@ class CoralInstance:
             raise
         return self
 
-    def _node_config(self, node: NodeSlot, process: int, results: str) -> NodeConfig:
-        cfg = self.config
-        device = f"cuda:{process}" if cfg.device == "cuda" else cfg.device
-        dist_init = cfg.dist_init or (f"file://{self._tmp.name}/dist-store" if self._tmp is not None else "")
-        return NodeConfig(
-            instance_id=self._name, rank=node.rank, world_size=len(self.processes), first=node.first,
-            last=node.last, process_rank=process, leaders=self.leaders, tp_groups=self.tp_groups,
-            checkpoint=self.checkpoint, results=results,
-            bind="inproc" if cfg.local else f"tcp://{cfg.host}", advertise=cfg.advertise if cfg.launch else "",
-            device=device,
-            dist_backend=cfg.dist_backend, dist_init=dist_init, threads=cfg.threads_per_node,
-            kv_ttl_s=cfg.kv_ttl_s, kv_cache_gib=cfg.kv_cache_gib, kv_block_size=cfg.kv_block_size,
-            kv_blocks=cfg.kv_blocks, kv_cache_fraction=cfg.kv_cache_fraction,
-            parent_pid=os.getpid() if cfg.launch and not cfg.local else 0,
-        )
-
     def _start_nodes(self, nodes: list[NodeConfig]) -> None:
         if self.config.local:
             hub = LocalHub()
             for ncfg in nodes:
-                t = threading.Thread(target=_serve_local, args=(ncfg, hub, self.ctx), daemon=True,
+                t = threading.Thread(target=serve_local, args=(ncfg, hub, self.ctx), daemon=True,
                                      name=f"coral-node-{ncfg.instance_id}-{ncfg.rank}")
                 t.start()
                 self.threads.append(t)
@@ -184,28 +139,51 @@ class CoralInstance:
     def _serve_http(self) -> None:
         from transformers import AutoConfig, AutoTokenizer
 
-        from coral.engine.server import create_instance_app
+        from coral.engine.server import Limits, create_instance_app
         from coral.runtime.server import ServerThread
 
         assert self.scheduler is not None
         tokenizer = AutoTokenizer.from_pretrained(self.checkpoint)
-        vocab = int(AutoConfig.from_pretrained(self.checkpoint).vocab_size)
-        app = create_instance_app(self.scheduler, tokenizer, vocab, self.layout.model, self.layout.instance_id,
-                                  self._nodes_alive, self.config.api_key)
+        model_config = AutoConfig.from_pretrained(self.checkpoint)
+        limits = Limits(int(model_config.max_position_embeddings), self.config.max_waiting, self.config.retry_after_s,
+                        generation_defaults(self.checkpoint))
+        app = create_instance_app(self.scheduler, tokenizer, int(model_config.vocab_size), self.layout.model,
+                                  self.layout.instance_id, limits, self.problem, self.config.api_key)
         self.server = ServerThread(app, host=self.config.host, port=self.config.port).start()
 
-    def _nodes_alive(self) -> bool:
-        return all(p.poll() is None for p in self.procs) and all(t.is_alive() for t in self.threads)
+    def problem(self) -> str | None:
+        """What is broken: the first node process (or thread) gone, or the scheduler's error; None if nothing."""
+        for rank, p in enumerate(self.procs):
+            if (code := p.poll()) is not None:
+                node, tp_rank = self.processes[rank]
+                return (f"node {node.rank} ({node.config}, stage {node.stage}, TP rank {tp_rank}, pid {p.pid}) "
+                        f"exited with code {code}")
+        for t in self.threads:
+            if not t.is_alive():
+                return f"node thread {t.name} ended"
+        return self.scheduler.error if self.scheduler is not None else None
+
+    def _watch(self) -> None:
+        """Fail the scheduler's requests as soon as a node is gone."""
+        while not self._stopping.wait(0.1):
+            if (why := self.problem()) is not None:
+                assert self.scheduler is not None
+                self.scheduler.fail(why)
+                return
 
     def alive(self) -> bool:
         sched = self.scheduler
         return (
-            sched is not None and sched.thread.is_alive() and sched.error is None and self._nodes_alive()
+            sched is not None and sched.thread.is_alive() and self.problem() is None
             and (self.server is None or self.server.alive())
         )
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        """Stop serving, stop the nodes (terminate those that do not exit), release everything."""
+        """Stop serving, stop the nodes (terminate those that do not exit; at once when a node failed: the
+        others may wait on it forever), release everything."""
+        self._stopping.set()
+        if self.problem() is not None:
+            timeout_s = 0.0
         if self.server is not None:
             self.server.stop()
         if self.scheduler is not None:
@@ -228,8 +206,11 @@ class CoralInstance:
             self.ctx.destroy(linger=0)
 
 
-def _serve_local(cfg: NodeConfig, hub: LocalHub, ctx: zmq.Context[Any]) -> None:
-    Node(cfg, LocalTransport(hub, cfg.rank), ctx).serve()
+def generation_defaults(checkpoint: str | Path) -> dict[str, Any]:
+    """Sampling defaults the checkpoint's generation_config.json sets (vLLM's `--generation-config auto`)."""
+    path = Path(checkpoint) / "generation_config.json"
+    config = json.loads(path.read_text()) if path.exists() else {}
+    return {k: config[k] for k in ("temperature", "top_p", "top_k", "min_p") if k in config}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -252,7 +233,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--results-port", type=int, default=0,
                     help="fixed port of the scheduler's results socket (nodes started with --plan connect to it)")
     args = ap.parse_args(argv)
-    planned = _plan_instance(args.plan, args.instance_id)
+    planned = plan_instance(args.plan, args.instance_id)
     config = EngineConfig(device=args.device, dist_backend=args.dist_backend, dist_init=args.dist_init,
                           host=args.host, advertise=args.advertise, port=args.port, launch=not args.no_launch,
                           results_port=args.results_port)
@@ -270,56 +251,6 @@ def main(argv: list[str] | None = None) -> None:
         pass
     finally:
         inst.stop()
-
-
-def _plan_instance(path: Path, instance_id: str) -> PlanInstance:
-    """Instance `instance_id` of the plan file `path` (SystemExit naming both when it has none)."""
-    from coral.allocation.plan import Plan
-
-    for inst in Plan.load(path).instances:
-        if inst.id == instance_id:
-            return inst
-    raise SystemExit(f"{path}: no instance {instance_id!r}")
-
-
-def serve_plan_node(argv: list[str]) -> None:
-    """Start the processes of one node of a plan instance on this machine and wait for them:
-    `python -m coral.engine.node --plan PLAN.json --instance ID --checkpoint DIR --node-rank R --scheduler
-    tcp://HOST:PORT --dist-init tcp://HOST:PORT [--advertise ADDR]` (the scheduler runs `python -m
-    coral.engine.instance ... --no-launch --results-port PORT`; the rendezvous is on node 0's machine)."""
-    import argparse
-
-
-    ap = argparse.ArgumentParser(prog="python -m coral.engine.node", description=serve_plan_node.__doc__)
-    ap.add_argument("--plan", type=Path, required=True)
-    ap.add_argument("--instance", required=True)
-    ap.add_argument("--checkpoint", type=Path, required=True)
-    ap.add_argument("--node-rank", type=int, required=True)
-    ap.add_argument("--scheduler", required=True, help="the scheduler's results socket, tcp://HOST:PORT")
-    ap.add_argument("--dist-init", required=True, help="torch.distributed rendezvous, tcp://HOST:PORT on node 0")
-    ap.add_argument("--host", default="0.0.0.0", help="address this node's sockets bind to")
-    ap.add_argument("--advertise", default="", help="address the scheduler and other nodes reach this one by")
-    ap.add_argument("--device", default="cpu", help="cpu | cuda (TP rank t on cuda:t)")
-    ap.add_argument("--dist-backend", default="gloo", help="gloo | nccl")
-    ap.add_argument("--threads", type=int, default=1, help="torch threads per process")
-    ap.add_argument("--log-dir", type=Path, default=None)
-    args = ap.parse_args(argv)
-    config = EngineConfig(device=args.device, dist_backend=args.dist_backend, dist_init=args.dist_init,
-                          launch=False, threads_per_node=args.threads)
-    inst = CoralInstance.from_plan(_plan_instance(args.plan, args.instance), args.checkpoint, config)
-    mine = [c for c in inst.node_configs(args.scheduler) if c.rank == args.node_rank]
-    if not mine:
-        raise SystemExit(f"--node-rank {args.node_rank}: {args.instance} has nodes 0..{len(inst.layout.nodes) - 1}")
-    procs = [spawn_node(replace(on_machine(c, args.host, args.advertise), parent_pid=os.getpid()), args.log_dir,
-                        args.instance) for c in mine]
-    try:
-        while all(p.poll() is None for p in procs):
-            time.sleep(0.5)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.terminate()
-    raise SystemExit(max(p.wait() for p in procs))
 
 
 if __name__ == "__main__":

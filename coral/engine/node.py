@@ -40,9 +40,18 @@ import torch
 import torch.distributed as dist
 import zmq
 
-from coral.engine.launch import NodeConfig
+from coral.engine.launch import NodeConfig, serve_plan_node
+from coral.engine.sampling import sample
 from coral.engine.shard import KV, Shard, Step
-from coral.engine.transport import DistTransport, Transport, advertised, frames_tensors, tensor_frames
+from coral.engine.transport import (
+    DistTransport,
+    LocalHub,
+    LocalTransport,
+    Transport,
+    advertised,
+    frames_tensors,
+    tensor_frames,
+)
 
 
 class Node:
@@ -162,8 +171,8 @@ class Node:
 
     def _run(self, msg: dict[str, Any]) -> None:
         """One micro-batch, all its requests' new tokens as one flattened batch through the shard; hidden
-        states to the next stage, or greedy tokens of the sampled steps (and logits if asked) to the scheduler
-        from the last stage."""
+        states to the next stage, or from the last stage the tokens sampled for the sampled steps (each with its
+        step's parameters, `coral.engine.sampling`; and the logits if asked) to the scheduler."""
         reqs, mb = msg["reqs"], msg["mb"]
         steps = [Step(r["rid"], r["start"], r["n"], r["sample"]) for r in reqs]
         if self.shard.is_first:
@@ -182,7 +191,7 @@ class Node:
         if not self.shard.is_last:
             self.transport.send(out, self.process(msg["dst"]), mb)
             return
-        tokens = out.argmax(-1).tolist()
+        tokens = [s.wire() for s in sample(out, [r["sp"] for r in reqs if r["sample"]])]
         header = json.dumps({"kind": "tokens", "mb": mb, "tokens": tokens}).encode()
         if msg.get("logits"):
             self.out.send_multipart([header, *tensor_frames([out])])
@@ -279,6 +288,11 @@ class Node:
         return out
 
 
+def serve_local(cfg: NodeConfig, hub: LocalHub, ctx: zmq.Context[Any]) -> None:
+    """A node as a thread of the instance's process (`EngineConfig.local`), its activations through `hub`."""
+    Node(cfg, LocalTransport(hub, cfg.rank), ctx).serve()
+
+
 def _exit_when_orphaned(parent_pid: int) -> None:
     """Exit as soon as the owner `parent_pid` is gone, even while the node waits on a receive from a dead peer."""
     while os.getppid() == parent_pid:
@@ -288,11 +302,9 @@ def _exit_when_orphaned(parent_pid: int) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point of a node process: `python -m coral.engine.node '<NodeConfig JSON>'`; with `--plan`, start
-    the processes of one node of a plan instance on this machine (`coral.engine.instance.serve_plan_node`)."""
+    the processes of one node of a plan instance on this machine (`coral.engine.launch.serve_plan_node`)."""
     args = argv if argv is not None else sys.argv[1:]
     if args and not args[0].lstrip().startswith("{"):
-        from coral.engine.instance import serve_plan_node
-
         serve_plan_node(args)
         return
     cfg = NodeConfig(**json.loads(args[0]))

@@ -14,7 +14,10 @@ class WholeModel:
         from transformers import AutoModelForCausalLM
 
         self.device = torch.device(device)
-        model: Any = AutoModelForCausalLM.from_pretrained(checkpoint, attn_implementation="sdpa")
+        try:
+            model: Any = AutoModelForCausalLM.from_pretrained(checkpoint, attn_implementation="sdpa")
+        except ValueError:  # no SDPA path in transformers for this architecture (gpt-oss: attention sinks)
+            model = AutoModelForCausalLM.from_pretrained(checkpoint, attn_implementation="eager")
         self.model: Any = model.to(self.device).eval()
 
     @torch.inference_mode()

@@ -5,18 +5,23 @@ A request gets a path (one node per stage) at admission by smooth weighted round
 weighted by the placement's per-node throughput, and keeps it while its KV lives there. Micro-batches are formed
 per path (continuous batching) under a token budget (`max_batch_tokens`) and a sequence cap (`max_batch`): decode
 steps first, then running prefills, then waiting requests in arrival order, prefills chunked to fill what is left
-of the budget. Up to `max_inflight` micro-batches flow down the pipeline at once. The last stage samples greedily
-(argmax) for each step that completes its request's input and returns the tokens here, which hands them to each
-request's callback.
+of the budget. Up to `max_inflight` micro-batches flow down the pipeline at once. The last stage samples a token
+(`coral.engine.sampling`, with the step's parameters sent along with the micro-batch) for each step that
+completes its request's input and returns the tokens here, which hands them to each request's callback.
 
 KV blocks: every node reports its pool (blocks of `block_size` tokens) when ready, and the scheduler keeps the
 accounting of each node's free blocks (a request holds the same number of blocks on every node of its path). A
 step is sent only when its blocks fit on the whole path; a waiting request is admitted only then (in arrival
 order), and a running one that does not fit preempts the newest requests idle on the full node, or itself if
 it is the newest: a preempted request's KV is freed and it is recomputed from its prompt and the tokens it has
-produced (greedy, so its output is unchanged).
+produced (greedy and seeded outputs are unchanged: a seeded token's draw depends on the seed and its index only).
 
-All ZeroMQ sockets are owned by the scheduler thread; other threads talk to it through `submit`/`cancel`.
+Waiting requests (submitted, no step sent yet) are counted (`waiting`, for the server's admission bound); one
+whose `deadline` passes before its first step is dropped with finish reason 'deadline'. A failed node (reported
+by the node, or by the instance watching its processes: `fail`) ends every request with 'error' and refuses new
+ones.
+
+All ZeroMQ sockets are owned by the scheduler thread; other threads talk to it through `submit`/`cancel`/`fail`.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import json
 import math
 import queue
 import threading
+import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -33,9 +39,12 @@ from typing import Any
 import zmq
 
 from coral.engine.layout import Layout
+from coral.engine.sampling import GREEDY, Sampled, SamplingParams
 from coral.engine.transport import frames_tensors
 
-# (token or None, finish reason or None, logits of the step if asked) -> None; called on the scheduler thread
+# (token or None, finish reason or None, logits of the step if asked) -> None; called on the scheduler thread.
+# Finish reasons: 'stop', 'length', and without a token 'abort' (cancelled or shut down), 'error' (a node failed:
+# `Scheduler.error` says which; or the request can never fit the KV pool), 'deadline' (expired while waiting).
 EventFn = Callable[[int | None, str | None, list[float] | None], None]
 
 
@@ -63,6 +72,8 @@ class Request:
     max_tokens: int
     on_event: EventFn
     stop_ids: frozenset[int] = frozenset()
+    sampling: SamplingParams = GREEDY
+    deadline: float | None = None  # time.monotonic() by which its first step must be sent, else dropped
     want_logits: bool = False
     keep_kv: bool = False  # PD prefill: leave the KV on the nodes for a decode instance to take
     remote: dict[str, Any] | None = None  # PD decode: {request_id, prompt_tokens, first_token, sources}
@@ -71,6 +82,8 @@ class Request:
     position: int = 0  # tokens whose KV is on the path
     pending: list[int] = field(default_factory=list)  # input tokens not yet computed (a chunk at a time)
     output: list[int] = field(default_factory=list)
+    logprobs: list[Sampled] = field(default_factory=list)  # per output token, when `sampling.logprobs` is set
+    started: bool = False  # a step was sent (no longer waiting)
     blocks: int = 0  # KV blocks held on each node of the path
     busy: bool = False
     cancelled: bool = False
@@ -119,6 +132,9 @@ class Scheduler:
         self.remote_prefills = 0  # requests admitted with their KV taken from a prefill instance
         self.preemptions = 0
         self.arrivals = 0
+        self.submitted = 0  # requests submitted (under `wake_lock`)
+        self.unwaited = 0  # requests that stopped waiting: started, finished or refused (scheduler thread)
+        self.deadlines: dict[str, Request] = {}  # waiting requests with a deadline
         self.block_size = 0  # tokens per KV block (the nodes' pools, reported when ready)
         self.capacity: dict[int, int] = {}  # node rank -> KV blocks of its pool
         self.free: dict[int, int] = {}  # node rank -> KV blocks not held by any request
@@ -137,6 +153,15 @@ class Scheduler:
     def cancel(self, rid: str) -> None:
         self._post("cancel", rid)
 
+    def fail(self, message: str) -> None:
+        """A node is gone (`message` says which): end every request with an error, refuse new ones."""
+        self._post("fail", message)
+
+    @property
+    def waiting(self) -> int:
+        """Requests submitted whose first step is not sent yet."""
+        return self.submitted - self.unwaited
+
     def stop(self, timeout_s: float = 10.0) -> None:
         if self.thread.is_alive():
             self._post("stop", None)
@@ -153,6 +178,7 @@ class Scheduler:
                 if kind == "submit":
                     item.on_event(None, "error", None)
                 return
+            self.submitted += kind == "submit"
             self.inbox.put((kind, item))
             self.wake_out.send(b"", zmq.NOBLOCK)
 
@@ -164,7 +190,7 @@ class Scheduler:
         running = True
         try:
             while running:
-                events = dict(poller.poll())
+                events = dict(poller.poll(self._next_deadline_ms()))
                 if self.wake_in in events:
                     while self.wake_in.poll(0):
                         self.wake_in.recv()
@@ -172,10 +198,31 @@ class Scheduler:
                 if self.results in events:
                     while self.results.poll(0):
                         self._on_result(self.results.recv_multipart())
+                self._expire()
                 if running and self.ready.is_set() and self.error is None:
                     self._dispatch()
         finally:
             self._shutdown()
+
+    def _next_deadline_ms(self) -> int | None:
+        """Milliseconds to the earliest deadline of a waiting request (None: no such deadline)."""
+        soonest = min((r.deadline for r in self.deadlines.values() if r.deadline is not None), default=None)
+        return None if soonest is None else max(0, math.ceil((soonest - time.monotonic()) * 1000))
+
+    def _expire(self) -> None:
+        """Drop the waiting requests whose deadline has passed."""
+        now = time.monotonic()
+        for req in [r for r in self.deadlines.values() if r.deadline is not None and r.deadline <= now]:
+            self.active.pop(req.rid)
+            self._unwait(req)
+            req.on_event(None, "deadline", None)
+
+    def _unwait(self, req: Request) -> None:
+        """`req` is no longer waiting (its first step is sent, or it ended before one)."""
+        if not req.started:
+            req.started = True
+            self.unwaited += 1
+            self.deadlines.pop(req.rid, None)
 
     def _drain_inbox(self) -> bool:
         while True:
@@ -187,6 +234,9 @@ class Scheduler:
                 return False
             if kind == "submit":
                 self._admit(item)
+            elif kind == "fail":
+                if self.error is None:
+                    self._fail(item)
             elif kind == "cancel":
                 req = self.active.get(item)
                 if req is not None:
@@ -196,16 +246,20 @@ class Scheduler:
 
     def _admit(self, req: Request) -> None:
         if self.error is not None:
+            self._unwait(req)
             req.on_event(None, "error", None)
             return
         req.path = tuple(stage[w.pick()].rank for stage, w in zip(self.layout.stages, self.wrr, strict=True))
         total = len(req.prompt) + req.max_tokens
         room = min((self.capacity.get(r, 0) for r in req.path), default=0)
         if self.ready.is_set() and self._blocks_for(total) > room:  # could never run, even alone
+            self._unwait(req)
             req.on_event(None, "error", None)
             return
         req.seq, self.arrivals = self.arrivals, self.arrivals + 1
         self.active[req.rid] = req
+        if req.deadline is not None:
+            self.deadlines[req.rid] = req
         if req.remote is None:
             req.pending = list(req.prompt)
 
@@ -229,6 +283,7 @@ class Scheduler:
             if any(self.free[rank] < need for rank in req.path):
                 return
             self._hold(req, need)
+            self._unwait(req)
             req.pulling = req.busy = True  # busy until every node of the path has its layers' KV
             for rank in req.path:
                 self.cmd[rank].send_json(
@@ -248,7 +303,8 @@ class Scheduler:
         elif all(req.pulls.values()) and req.remote is not None:
             self.remote_prefills += 1
             req.position = int(req.remote["prompt_tokens"])
-            self._emit(req, int(req.remote["first_token"]), None)
+            first = req.remote.get("first_sampled") or [req.remote["first_token"]]
+            self._emit(req, Sampled.of_wire(first), None)
         else:
             self._drop_kv(req)
             req.pending = list(req.prompt)
@@ -260,9 +316,12 @@ class Scheduler:
         self._hold(req, -req.blocks)
         req.position = 0
 
-    def _emit(self, req: Request, token: int, logits: list[float] | None) -> None:
+    def _emit(self, req: Request, sampled: Sampled, logits: list[float] | None) -> None:
         """A new token of `req`: finish the request or queue its next step, then hand the token on."""
+        token = sampled.token
         req.output.append(token)
+        if req.sampling.logprobs is not None:
+            req.logprobs.append(sampled)
         finish = "stop" if token in req.stop_ids else "length" if len(req.output) >= req.max_tokens else None
         if finish is not None:  # finished before its caller hears so: no longer active, its KV kept or freed
             self._finish(req)
@@ -272,6 +331,7 @@ class Scheduler:
 
     def _finish(self, req: Request) -> None:
         self.active.pop(req.rid, None)
+        self._unwait(req)
         if req.cancelled:
             req.on_event(None, "abort", None)
         if req.keep_kv and not req.cancelled:
@@ -352,6 +412,10 @@ class Scheduler:
         path = batch[0][0].path
         steps = [(r, n, n == len(r.pending)) for r, n in batch]
         reqs = [{"rid": r.rid, "n": n, "start": r.position, "sample": sample} for r, n, sample in steps]
+        for q, (r, _, sample) in zip(reqs, steps, strict=True):
+            self._unwait(r)
+            if sample:
+                q["sp"] = r.sampling.step(len(r.output), r.stop_ids)
         logits = any(r.want_logits and sample for r, _, sample in steps)
         for k, rank in enumerate(path):
             msg: dict[str, Any] = {
@@ -396,16 +460,17 @@ class Scheduler:
                 req.position += n
                 req.pending = req.pending[n:]
                 req.busy = False
-                i, token = next(sampled) if sample else (-1, None)
+                i, raw = next(sampled) if sample else (-1, None)
                 if req.cancelled:
                     self._finish(req)
-                elif token is not None:
-                    self._emit(req, int(token), logits[i] if logits is not None and req.want_logits else None)
+                elif raw is not None:
+                    self._emit(req, Sampled.of_wire(raw), logits[i] if logits is not None and req.want_logits else None)
 
     def _fail(self, message: str) -> None:
         """A node failed: the instance is broken; every request ends with an error."""
         self.error = message
         for req in list(self.active.values()):
+            self._unwait(req)
             req.on_event(None, "error", None)
         self.active.clear()
         self.flight.clear()
@@ -416,10 +481,12 @@ class Scheduler:
         while not self.inbox.empty():  # submitted after the stop: never admitted
             kind, item = self.inbox.get_nowait()
             if kind == "submit":
+                self._unwait(item)
                 item.on_event(None, "abort", None)
         for sock in self.cmd.values():
             sock.send_json({"op": "stop"})
         for req in list(self.active.values()):
+            self._unwait(req)
             req.on_event(None, "abort", None)
         self.active.clear()
         for sock in [*self.cmd.values(), self.results, self.wake_in, self.wake_out]:

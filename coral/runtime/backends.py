@@ -1,7 +1,9 @@
 """Engine backends the controller starts and stops instances through.
 
 A backend identifies instances by id: `start` is idempotent (an instance already running returns its
-handle), which lets a restarted controller adopt what survived it.
+handle), which lets a restarted controller adopt what survived it. A backend may say why an instance stopped by
+itself (`failure`). `Watchdog` polls the instances a controller runs through any backend's `alive` and reports
+a death at once (the controller re-reconciles then instead of at its next pass).
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import os
 import signal
 import subprocess
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -36,6 +38,60 @@ class Backend(Protocol):
     def stop(self, instance_id: str, handle: Handle) -> None: ...
 
     def alive(self, instance_id: str, handle: Handle) -> bool: ...
+
+
+class Watchdog:
+    """A thread polling `alive(instance_id, handle)` of the watched instances every `poll_s`; calls
+    `on_death(instance_id)` once when one stops being alive (it is no longer watched then)."""
+
+    def __init__(
+        self, alive: Callable[[str, Handle], bool], on_death: Callable[[str], None], poll_s: float = 0.2
+    ) -> None:
+        self.alive, self.on_death, self.poll_s = alive, on_death, poll_s
+        self.watched: dict[str, Handle] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def watch(self, instance_id: str, handle: Handle) -> None:
+        with self._lock:
+            self.watched[instance_id] = handle
+
+    def forget(self, instance_id: str) -> None:
+        """Stop watching (before stopping the instance on purpose)."""
+        with self._lock:
+            self.watched.pop(instance_id, None)
+
+    def start(self) -> Watchdog:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="coral-watchdog", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+
+    def check(self) -> list[str]:
+        """One poll: the watched instances found dead (each reported to `on_death`)."""
+        with self._lock:
+            watched = list(self.watched.items())
+        dead = []
+        for iid, handle in watched:
+            if self.alive(iid, handle):
+                continue
+            with self._lock:
+                if self.watched.get(iid) is not handle:  # forgotten or restarted meanwhile
+                    continue
+                del self.watched[iid]
+            dead.append(iid)
+            self.on_death(iid)
+        return dead
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            self.check()
 
 
 class EmulatedBackend:
@@ -86,6 +142,11 @@ class EmulatedBackend:
         srv = self.servers.get(instance_id)
         if srv is not None:
             srv.stop(force=True)
+
+    def failure(self, instance_id: str) -> str:
+        """Why a started instance is not running ('' while it is)."""
+        srv = self.servers.get(instance_id)
+        return "its server thread stopped" if srv is not None and not srv.alive() else ""
 
     def engine(self, instance_id: str) -> Any:
         """The `EngineState` counters of a running emulated instance."""
@@ -218,6 +279,14 @@ class VllmProcessBackend:
         if running is not None:
             return running[0].poll() is None
         return _pid_alive(handle.get("pid"))
+
+    def failure(self, instance_id: str) -> str:
+        """Why a started process is not running ('' while it is): its exit status or signal."""
+        running = self.procs.get(instance_id)
+        code = running[0].poll() if running is not None else None
+        if code is None:
+            return ""
+        return f"vLLM process exited with status {code}" if code >= 0 else f"vLLM process killed by signal {-code}"
 
     def close(self) -> None:
         for iid, (_proc, handle) in list(self.procs.items()):

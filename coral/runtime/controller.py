@@ -13,6 +13,9 @@ rows are completed, not duplicated).
 An instance of the plan found dead (its backend says so: a crashed process, a lost Ray node) is marked
 `failed` (a `lost` action), taken out of the gateway's routing and started again; while a start fails (no
 capacity yet) it stays `failed` and the controller tries again every `retry_s`, without re-planning in between.
+A death is noticed at once: a watchdog (`backends.Watchdog`) polls each running instance's `alive` every
+`watch_s`; on a death the instance gets no more requests and the controller reconciles now, not at its next pass.
+Each failed instance's row in `state()` says why (`last_error`: the backend's reason, else its `/health` error).
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from fastapi.responses import JSONResponse
 from coral.allocation.plan import Plan, PlanInstance
 from coral.catalog.loader import CoralInputError, validate
 from coral.openai_shapes import InvalidRequest, bearer_token
-from coral.runtime.backends import Backend, Handle
+from coral.runtime.backends import Backend, Handle, Watchdog
 from coral.runtime.gateway import BodyRefused, error_response, parse_json, read_body
 from coral.runtime.registry import Endpoint, InstanceState, Registry
 
@@ -184,6 +187,15 @@ class Store:
         keys = ("seq", "ts", "kind", "instance_id", "status", "detail")
         return [dict(zip(keys, r, strict=True)) for r in rows]
 
+    def failures(self) -> dict[str, str]:
+        """Per instance, why it last went down: the detail of its latest failed start or `lost` action."""
+        with self.lock:
+            rows = self.db.execute(
+                "SELECT instance_id, detail FROM actions WHERE status='failed' OR (kind='lost' AND status='done') "
+                "ORDER BY seq"
+            ).fetchall()
+        return {iid: detail for iid, detail in rows}
+
 
 class Controller:
     """Reconciles the backend's instances with the planner's plan; see the module docstring."""
@@ -198,6 +210,7 @@ class Controller:
         drain_timeout_s: float = 60.0,
         ready_timeout_s: float = 60.0,
         retry_s: float = 5.0,
+        watch_s: float = 0.2,
     ) -> None:
         self.store = store
         self.backend = backend
@@ -213,6 +226,7 @@ class Controller:
         self._thread: threading.Thread | None = None
         self._plan_on_wake = True
         self.last_error = ""
+        self.watchdog = Watchdog(backend.alive, self._died, watch_s)
         self.resume()
 
     # --- state transitions --------------------------------------------------------------------------
@@ -236,6 +250,15 @@ class Controller:
     def _register(self, inst: PlanInstance, handle: Handle, state: InstanceState) -> None:
         self.registry.add(Endpoint(inst.id, inst.model, inst.phase, handle["url"], inst.throughput, state,
                                    class_weights=inst.class_throughput))
+        self.watchdog.watch(inst.id, handle)
+
+    def _died(self, instance_id: str) -> None:
+        """The watchdog found a running instance dead: no more requests to it, and reconcile now (it is marked
+        failed and started again) instead of at the next pass."""
+        ep = self.registry.get(instance_id)
+        if ep is not None:
+            ep.healthy = False
+        self.trigger(plan=False)
 
     def _wait_ready(self, url: str) -> bool:
         deadline = time.monotonic() + self.ready_timeout_s
@@ -269,6 +292,7 @@ class Controller:
         self.store.finish(seq, "done", handle["url"])
 
     def drain_instance(self, inst: PlanInstance, handle: Handle) -> None:
+        self.watchdog.forget(inst.id)
         seq = self.store.begin("drain", inst.id)
         self.store.observe(inst, "draining", handle)
         self.registry.set_state(inst.id, InstanceState.DRAINING)
@@ -311,10 +335,12 @@ class Controller:
             return {"started": started, "stopped": stopped}
 
     def _lost(self, inst: PlanInstance, handle: Handle) -> None:
-        """An instance died: out of the gateway, marked failed, with the backend's reason if it gives one."""
+        """An instance died: out of the gateway, marked failed, with the backend's reason if it gives one, else
+        its `/health` answer's."""
+        self.watchdog.forget(inst.id)
         self.registry.remove(inst.id)
         self.store.observe(inst, "failed", handle)
-        reason = getattr(self.backend, "failure", lambda _iid: "")(inst.id)
+        reason = getattr(self.backend, "failure", lambda _iid: "")(inst.id) or _health_error(handle.get("url"))
         self.store.finish(self.store.begin("lost", inst.id), "done", reason or "not running")
 
     def failed(self) -> list[str]:
@@ -351,6 +377,7 @@ class Controller:
     def start(self) -> Controller:
         self._thread = threading.Thread(target=self._loop, name="coral-controller", daemon=True)
         self._thread.start()
+        self.watchdog.start()
         return self
 
     def trigger(self, plan: bool = True) -> None:
@@ -361,6 +388,7 @@ class Controller:
     def stop(self, timeout_s: float = 10.0) -> None:
         self._stop.set()
         self._wake.set()
+        self.watchdog.stop(timeout_s)
         if self._thread is not None:
             self._thread.join(timeout_s)
 
@@ -370,6 +398,7 @@ class Controller:
         {"plan": Plan JSON | None,
          "instances": [{id, model, phase, region, template_id, counts, throughput, class_throughput,
                         cost_per_hour, desired, state (pending|starting|ready|draining|failed), url,
+                        last_error (why a failed instance went down, else ''),
                         healthy, weight, inflight, served, failed, target_share, observed_share}],
          "traffic": {model: {phase: {instance id: observed share}}},
          "latency": {model: {requests, errors, count, p50_ms, p99_ms (end to end), and where measured
@@ -384,6 +413,7 @@ class Controller:
         gw = gateway_state or {"instances": [], "latency": {}, "queue": {}}
         live = {e["id"]: e for e in gw["instances"]}
         instances: list[dict[str, Any]] = []
+        failures = self.store.failures() if any(o[1] == "failed" for o in observed.values()) else {}
         for iid in sorted(set(desired) | {i for i, o in observed.items() if o[1] != "stopped"}):
             inst = desired.get(iid) or observed[iid][0]
             obs = observed.get(iid)
@@ -401,6 +431,7 @@ class Controller:
                 "state": obs[1] if obs else "pending",
                 "url": obs[2].get("url", "") if obs else "",
             }
+            row["last_error"] = failures.get(iid, "") if row["state"] == "failed" else ""
             g = live.get(iid, {})
             for k in ("healthy", "weight", "inflight", "served", "failed", "target_share", "observed_share"):
                 row[k] = g.get(k, 0 if k != "healthy" else False)
@@ -419,6 +450,23 @@ class Controller:
             "last_error": self.last_error,
             "updated_at": time.time(),
         }
+
+
+def _health_error(url: str | None) -> str:
+    """What a stopped instance's `/health` says when it answers with an error ('' when it does not answer)."""
+    if not url:
+        return ""
+    try:
+        r = httpx.get(f"{url}/health", timeout=1.0)
+    except httpx.HTTPError:
+        return ""
+    if r.status_code == 200:
+        return ""
+    try:
+        detail = str(r.json()["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        detail = r.text[:200]
+    return f"/health answered {r.status_code}: {detail}"
 
 
 def controller_router(

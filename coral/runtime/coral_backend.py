@@ -6,7 +6,7 @@ architecture (`coral.engine.tiny_model`: the catalog's `model_type`, e.g. phi-4 
 gpt_oss with experts, sinks and sliding-window layers), made once in a cache directory; a model the catalog does
 not know, or whose architecture the engine does not run, gets the tiny Llama. The plan's layer split is scaled to
 the tiny model's 8 layers, so instances of up to 8 stages run (see `coral.engine.layout`), and a node's TP degree
-is capped at 2 (its KV heads; see `CoralInstance.node_tp`).
+is capped at 2 (its KV heads; see `coral.engine.launch.InstanceProcesses.node_tp`).
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from coral.allocation.plan import PlanInstance
 from coral.catalog.loader import Catalog, builtin_catalog
@@ -33,6 +33,7 @@ from coral.catalog.schema import ModelArch
 from coral.openai_shapes import bearer_allowed, chunk, error_body, full, max_tokens_of, usage
 from coral.perf.model import PerfModel, Phase, Workload
 from coral.perf.roofline import RooflineModel
+from coral.runtime.server import unless_disconnected
 
 VOCAB = ("the", "cat", "sat", "on", "a", "warm", "mat", "and", "dreamt", "of", "fish", "in", "blue", "seas")
 
@@ -103,6 +104,8 @@ class EngineState:
     served: int = 0
     prefills: int = 0
     prefill_steps: int = 0
+    cancelled: int = 0
+    """Non-streamed requests whose client (the gateway) left before the answer: their work was cancelled."""
     request_ids: deque[str] = field(default_factory=lambda: deque(maxlen=64))
 
 
@@ -186,9 +189,19 @@ def create_engine_app(
         return {"object": "list", "data": [card]}
 
     async def complete(request: Request, chat: bool) -> Any:
+        """Answer a request; a non-streamed one is cancelled when its client leaves first (counted)."""
         if (refused := denied(request)) is not None:
             return refused
         body = await request.json()
+        if body.get("stream"):
+            return await answer(request, body, chat)
+        done = await unless_disconnected(request, answer(request, body, chat))
+        if done is None:
+            st.cancelled += 1
+            return Response(status_code=499)
+        return done
+
+    async def answer(request: Request, body: dict[str, Any], chat: bool) -> Response:
         if body.get("model") != model:
             return _error(404, f"model {body.get('model')!r} is not served here ({model})", "model")
         prompt = prompt_text(body)

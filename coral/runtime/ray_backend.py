@@ -139,7 +139,7 @@ class RayCoralBackend(CoralEngineBackend):
         from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        layout = CoralInstance.from_plan(instance, self.model_dir(), self.config).layout
+        layout = CoralInstance.from_plan(instance, self.model_dir(instance.model), self.config).layout
         configs = [n.config for n in layout.nodes]
         if self.local is not None:
             self.local.ensure(Counter(configs))
@@ -169,7 +169,7 @@ class RayCoralBackend(CoralEngineBackend):
             cfg = replace(self.config, launch=False, host=head["ip"], dist_init=f"tcp://{head['ip']}:{head['port']}",
                           port=0, local=False)
             placed.scheduler = sched_cls.options(num_cpus=0, max_concurrency=4, scheduling_strategy=bundle(0)).remote(
-                instance.model_dump_json(), str(self.model_dir()), cfg)
+                instance.model_dump_json(), str(self.model_dir(instance.model)), cfg)
             by_rank: dict[int, list[str]] = {}
             for raw in ray.get(placed.scheduler.node_configs.remote(), timeout=60):
                 by_rank.setdefault(int(json.loads(raw)["rank"]), []).append(raw)

@@ -14,7 +14,9 @@ shares follow its weights while a slow or stalled instance stops receiving work.
 
 Outlier ejection: an instance on which a request timed out (the gateway's phase budgets) is `eject`ed: no
 requests for `eject_s`, doubled on each consecutive ejection (at most `MAX_EJECT_DOUBLINGS` times). After that
-it is on probation: one request at a time until a request on it completes, which clears its record.
+it is on probation: one request at a time until a request on it completes, which clears its record. Ejection is
+capped per pool (`Registry.eject`): at most `max_fraction` of a (model, phase) pool's instances are out at
+once, and never its last routable one.
 """
 
 from __future__ import annotations
@@ -158,9 +160,26 @@ class Registry:
             best.inflight += 1
             return best
 
-    def release(self, ep: Endpoint, ok: bool) -> None:
+    def eject(self, ep: Endpoint, eject_s: float, max_fraction: float) -> bool:
+        """Eject `ep` (`Endpoint.eject`) unless that would take more than `max_fraction` of its pool's instances
+        out at once or leave the pool without a routable instance; whether it was ejected."""
+        with self.lock:
+            now = time.monotonic()
+            pool = [e for e in self.endpoints.values() if e.model == ep.model and e.phase == ep.phase]
+            out = sum(e is not ep and e.ejected_until > now for e in pool)
+            others = any(e is not ep and e.routable for e in pool)
+            if not others or out + 1 > max_fraction * len(pool):
+                return False
+            ep.eject(eject_s)
+            return True
+
+    def release(self, ep: Endpoint, ok: bool | None) -> None:
+        """A request on `ep` ended: served (`ok`), failed, or refused by the engine for now (None: counted as
+        neither)."""
         with self.lock:
             ep.inflight -= 1
+            if ok is None:
+                return
             if ok:
                 ep.served += 1
                 ep.ejections = 0

@@ -1,5 +1,6 @@
 """uvicorn for Coral's servers: bounded header reads and shutdown (`server_config`, `DrainingServer`), and
-`ServerThread`, an app served in a background thread on loopback (tests, emulated engines).
+`ServerThread`, an app served in a background thread on loopback (tests, emulated engines), and
+`unless_disconnected`, which cancels a request's work when its client leaves before the answer.
 
 uvicorn bounds neither the time a client may take to send a request's headers (a connection that sends a few
 bytes and stalls is held forever) nor, by default, a graceful shutdown (stuck requests keep the process alive).
@@ -15,10 +16,13 @@ import logging
 import socket
 import threading
 import time
+from collections.abc import Coroutine
 from types import FrameType
 from typing import Any
 
 import uvicorn
+from starlette.requests import Request
+from starlette.responses import Response
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from coral.catalog.loader import CoralInputError
@@ -174,3 +178,22 @@ class ServerThread:
         self.server.force_exit = force
         self.server.should_exit = True
         self.thread.join(timeout_s)
+
+
+async def unless_disconnected(request: Request, work: Coroutine[Any, Any, Response]) -> Response | None:
+    """`work`'s response, or None when the client disconnected first (then `work` is cancelled, and with it its
+    upstream calls). The request body must have been read: what `request.receive` gives next is the
+    disconnect."""
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    task, watch = asyncio.ensure_future(work), asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait((task, watch), return_when=asyncio.FIRST_COMPLETED)
+    finally:  # also when this task is cancelled: then the CancelledError goes on once both are done
+        task.cancel()
+        watch.cancel()
+        await asyncio.gather(task, watch, return_exceptions=True)
+    return None if task.cancelled() else task.result()

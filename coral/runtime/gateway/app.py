@@ -1,0 +1,190 @@
+"""The gateway's FastAPI app: routes, validation, and the request path (prefill, then decode)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import time
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from coral.openai_shapes import InvalidRequest, parse_request
+from coral.runtime.gateway.access import AccessGuard
+from coral.runtime.gateway.config import (
+    MAX_CHARS_PER_TOKEN,
+    UNKNOWN_MODEL,
+    GatewayConfig,
+    admission_wait_s,
+    prompt_tokens,
+)
+from coral.runtime.gateway.errors import (
+    BodyRefused,
+    UpstreamError,
+    error_response,
+    install_openai_errors,
+    parse_json,
+    read_body,
+)
+from coral.runtime.gateway.relay import forward
+from coral.runtime.gateway.upstream import Gateway, RelayResponse
+from coral.runtime.registry import Registry
+from coral.runtime.server import unless_disconnected
+
+
+def length_error(config: GatewayConfig, body: dict[str, Any], chat: bool) -> JSONResponse | None:
+    """400 for a validated request over its model's context (its prompt, certainly that long at
+    `MAX_CHARS_PER_TOKEN`, plus max_tokens) or asking for more than `max_output_tokens` over its n choices;
+    None when it fits."""
+    context = config.context_of(body["model"])
+    prompt = prompt_tokens(body, MAX_CHARS_PER_TOKEN)
+    max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or 0
+    if prompt + max_tokens > context:
+        asked = f" + max_tokens {max_tokens}" if max_tokens else ""
+        msg = (f"this model's maximum context length is {context} tokens; the prompt has at least {prompt:.0f} "
+               f"tokens{asked}")
+        return error_response(400, msg, "context_length_exceeded", "messages" if chat else "prompt")
+    n = body.get("n") or 1
+    if n * max_tokens > config.max_output_tokens:
+        msg = f"n x max_tokens = {n * max_tokens} is over the {config.max_output_tokens} tokens one request may ask for"
+        return error_response(400, msg, "too_many_tokens", "n")
+    return None
+
+
+def create_gateway_app(
+    registry: Registry,
+    config: GatewayConfig | None = None,
+    extra_routers: Sequence[APIRouter] = (),
+    health_checks: bool = True,
+) -> FastAPI:
+    """The gateway FastAPI app; `app.state.gateway` is the `Gateway` (its `.state()` feeds dashboards)."""
+    gw = Gateway(registry, config or GatewayConfig())
+    created = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        await gw.open()
+        task = asyncio.create_task(gw.health_loop()) if health_checks else None
+        try:
+            yield
+        finally:
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+            await gw.close()
+
+    app = FastAPI(title="coral gateway", lifespan=lifespan)
+    app.state.gateway = gw
+    app.add_middleware(AccessGuard, gateway=gw)
+    install_openai_errors(app)
+    for r in extra_routers:
+        app.include_router(r)
+
+    def model_card(model: str) -> dict[str, Any]:
+        return {"id": model, "object": "model", "created": created, "owned_by": "coral"}
+
+    def guarded(request: Request) -> JSONResponse | None:
+        """429 past the key's rate (`AccessGuard` already refused requests without a valid key); None when the
+        request may go on."""
+        wait = gw.limiter.wait_s(gw.principal(request))
+        if wait > 0:
+            gw.requests.labels("", "rate_limited").inc()
+            return error_response(
+                429, "rate limit reached for this API key", "rate_limit_exceeded", None, math.ceil(wait)
+            )
+        return None
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {"status": "ok", "routable": sum(e.routable for e in registry.all())}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(gw.metrics), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Any:
+        return guarded(request) or {"object": "list", "data": [model_card(m) for m in registry.models()]}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(request: Request, model: str) -> Any:
+        if (denied := guarded(request)) is not None:
+            return denied
+        if model not in registry.models():
+            return error_response(404, f"The model '{model}' does not exist", "model_not_found", "model")
+        return model_card(model)
+
+    @app.get("/gateway/state")
+    async def state() -> dict[str, Any]:
+        return gw.state()
+
+    async def serve(request: Request, path: str, chat: bool) -> Response:
+        start = time.perf_counter()
+        if (denied := guarded(request)) is not None:
+            return denied
+        try:
+            raw = await read_body(request, gw.config.max_body_bytes, gw.config.body_timeout_s)
+        except BodyRefused as exc:
+            gw.requests.labels("", "too_large" if exc.status == 413 else "body_timeout").inc()
+            return exc.response()
+        try:
+            body = parse_json(raw)
+            parse_request(body, chat)
+        except InvalidRequest as exc:
+            gw.requests.labels("", "bad_request").inc()
+            return error_response(400, str(exc), None, exc.param)
+        if (too_long := length_error(gw.config, body, chat)) is not None:
+            gw.requests.labels("", "too_long").inc()
+            return too_long
+        model = body["model"]
+        if model not in registry.models():
+            gw.requests.labels(UNKNOWN_MODEL, "unknown_model").inc()
+            msg = f"The model '{model}' does not exist; see /v1/models"
+            return error_response(404, msg, "model_not_found", "model")
+        if not any(e.routable for e in registry.pool(model, gw.pd_pools(model)[1])):
+            gw.requests.labels(model, "no_instance").inc()
+            msg = f"no ready instance for {model}"
+            return error_response(503, msg, "service_unavailable", None, gw.config.retry_after_s)
+        queued = time.perf_counter()
+        try:
+            await gw.admit(admission_wait_s(gw.config, model))
+        except UpstreamError as exc:
+            gw.requests.labels(model, "rejected").inc()
+            return error_response(exc.status, str(exc), exc.code, None, gw.config.retry_after_s)
+        handed_off = False
+        try:
+            work = forward(gw, request, path, raw, body, start, time.perf_counter() - queued)
+            answer = await unless_disconnected(request, work)
+            if answer is None:  # the client left: its upstream calls were cancelled
+                gw.record(model, start, None, "client_gone")
+                return Response(status_code=499)
+            handed_off = isinstance(answer, RelayResponse)
+            return answer
+        finally:
+            if not handed_off:
+                gw.leave()
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await serve(request, "/v1/completions", chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await serve(request, "/v1/chat/completions", chat=True)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request) -> Response:
+        if (denied := guarded(request)) is not None:
+            return denied
+        msg = "/v1/embeddings is not served: Coral serves generative models (completions, chat completions)"
+        return error_response(404, msg, "unsupported_endpoint")
+
+    return app
+
+

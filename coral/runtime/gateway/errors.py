@@ -1,0 +1,133 @@
+"""OpenAI-shaped errors, request bodies read within limits, and the gateway's upstream error."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from coral.openai_shapes import InvalidRequest, error_body
+
+
+class UpstreamError(Exception):
+    """Every attempt on a pool failed before the first byte; `status` is what the client gets, with OpenAI's
+    error `code` and, for the engines' backpressure (`backpressure`), their `Retry-After` seconds."""
+
+    def __init__(self, status: int, message: str, code: str = "upstream_error", retry_after: int | None = None) -> None:
+        super().__init__(message)
+        self.status, self.code, self.retry_after = status, code, retry_after
+
+    @property
+    def backpressure(self) -> bool:
+        """Whether the pool refused the request for now (every instance answered 429/503 with Retry-After)."""
+        return self.retry_after is not None
+
+
+ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 429: "rate_limit_error"}
+
+
+class AsciiJSONResponse(JSONResponse):
+    """JSON with non-ASCII escaped: error messages may quote client strings holding lone surrogates."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, separators=(",", ":")).encode()
+
+
+def error_response(
+    status: int,
+    message: str,
+    code: str | None = None,
+    param: str | None = None,
+    retry_after: int | None = None,
+) -> JSONResponse:
+    """OpenAI's error shape; `type` follows the status (server_error for 5xx)."""
+    headers = {"Retry-After": str(retry_after)} if retry_after is not None else None
+    kind = ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    return AsciiJSONResponse(error_body(message, kind, param, code), status, headers=headers)
+
+
+def parse_json(raw: bytes) -> Any:
+    """The JSON document of a request body; InvalidRequest when it is not JSON (bad UTF-8 too) or nests beyond
+    Python's stack."""
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError) as exc:
+        raise InvalidRequest(f"invalid request: the body is not valid JSON ({type(exc).__name__})") from None
+
+
+def request_id_of(header: str | None) -> str:
+    """The client's X-Request-Id when it is short and printable, else a new one."""
+    if header and len(header) <= 128 and header.isascii() and header.isprintable():
+        return header
+    return uuid.uuid4().hex
+
+
+
+class BodyRefused(Exception):
+    """A request body past the size limit (413) or not received in time (408)."""
+
+    def __init__(self, status: int, message: str, code: str) -> None:
+        super().__init__(message)
+        self.status, self.code = status, code
+
+    def response(self) -> JSONResponse:
+        """The error, closing the connection (the rest of the body is never read)."""
+        resp = error_response(self.status, str(self), self.code)
+        resp.headers["connection"] = "close"
+        return resp
+
+
+async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
+    """The request body, however it is framed (Content-Length or chunked); BodyRefused past `limit` bytes
+    (without reading the rest) or when it has not all arrived within `timeout_s`."""
+    too_large = BodyRefused(413, f"request body over {limit} bytes", "request_too_large")
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise too_large
+    chunks, size = [], 0
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise too_large
+                chunks.append(chunk)
+    except TimeoutError:
+        raise BodyRefused(408, f"request body not received within {timeout_s:g} s", "request_timeout") from None
+    return b"".join(chunks)
+
+
+
+def sse_error(message: str) -> bytes:
+    return f"data: {json.dumps(error_body(message, 'server_error', code='upstream_error'))}\n\n".encode()
+
+
+
+def install_openai_errors(app: FastAPI) -> None:
+    """Unknown routes, wrong methods and parameter errors answer in OpenAI's error shape."""
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 404:
+            msg = f"Invalid URL ({request.method} {request.url.path})"
+            return error_response(404, msg, "unknown_url")
+        return error_response(exc.status_code, str(exc.detail), None)
+
+    @app.exception_handler(Exception)
+    async def server_error(_request: Request, exc: Exception) -> JSONResponse:
+        return error_response(500, f"internal error: {type(exc).__name__}", "internal_error")
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {}
+        param = ".".join(str(x) for x in first.get("loc", ())[1:]) or None
+        return error_response(400, str(first.get("msg", "invalid request")), None, param)
+
+
+
