@@ -51,7 +51,7 @@ class Runtime:
         self.url = self.server.url
         self.controller.start()
         self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0)
-        self.whole = WholeModel(self.backend.model_dir())
+        self.whole = WholeModel(self.backend.model_dir("phi-4"))  # phi-4 is served by the tiny phi3
 
     def post(self, plan: Plan) -> dict[str, Any]:
         r = httpx.post(f"{self.url}/replan?wait=true", content=plan.model_dump_json(), timeout=600)
