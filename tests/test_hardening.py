@@ -426,6 +426,27 @@ def test_answer_budgets_follow_the_slos_and_max_tokens():
     assert answer_budget(cfg, "other", streamed, prefill_only=False) == Budget(300, 300)  # no SLO: no bound
 
 
+def test_a_busy_instance_that_keeps_delivering_is_not_cut_for_one_streams_gaps():
+    """Each stream gets a token every 0.5 s, more than the 0.3 s token timeout, but the instance delivers to one of
+    its 5 staggered streams every 0.1 s: busy, not stalled, so no stream is cut (each would be, alone)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with stack(GatewayConfig(token_timeout_s={"m": 0.3}, eject_s=3600)) as s:
+        s.engine("busy", "m", "decode", 1.0, EngineTiming.constant(itl_s=0.5))
+        url = f"{s.gateway.url}/v1/chat/completions"
+
+        def one(delay: float) -> list[object]:
+            time.sleep(delay)
+            with httpx.stream("POST", url, json=chat(n=6, stream=True), timeout=60) as r:
+                return sse_events(r.read().decode())
+
+        with ThreadPoolExecutor(5) as pool:
+            answers = list(pool.map(one, [0.1 * k for k in range(5)]))
+        assert all(not any("error" in e for e in events) for events in answers), answers  # type: ignore[operator]
+        busy = s.registry.get("busy")
+        assert busy is not None and busy.ejections == 0
+
+
 def test_a_stream_that_stops_producing_tokens_is_cut_and_its_instance_ejected():
     with stack(GatewayConfig(token_timeout_s={"m": 0.3}, eject_s=3600)) as s:
         s.engine("slow", "m", "decode", 10.0, EngineTiming.constant(itl_s=3600))  # first token, then nothing

@@ -62,6 +62,8 @@ class Endpoint:
     """`time.monotonic()` until which the gateway sends it nothing (a request timed out on it)."""
     ejections: int = 0
     """Consecutive ejections (reset when a request on it completes); while > 0, it takes one request at a time."""
+    progress_at: float = 0.0
+    """Event-loop time of the last chunk it delivered to any stream (the gateway's stall check)."""
 
     def weight_for(self, request_class: str | None) -> float:
         """Router weight for a request of `request_class` (None: no class)."""

@@ -112,7 +112,8 @@ async def forward(
         except TimeoutError:  # stalled mid-answer: cut, and the instance gets no requests for a while
             gw.eject(ep)
             whole = f", or not done within {budget.total_s:.3g} s" if math.isfinite(budget.total_s) else ""
-            yield sse_error(f"{ep.id} stalled mid-answer: no chunk within {budget.gap_s:.3g} s{whole}")
+            yield sse_error(f"{ep.id} stalled mid-answer: no chunk to any of its streams within {budget.gap_s:.3g} s"
+                            f"{whole}")
         except OSError as exc:
             yield sse_error(f"{ep.id} failed mid-stream: {type(exc).__name__}")
 

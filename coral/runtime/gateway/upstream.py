@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import time
@@ -283,7 +284,7 @@ class Gateway:
                         continue
                     it = resp.aiter_raw()
                     first = await anext(it, None)
-                return ep, resp, _paced(first, it, budget.gap_s, sent + budget.total_s)
+                return ep, resp, _paced(first, it, budget.gap_s, sent + budget.total_s, ep)
             except TimeoutError:  # the instance may still be working on it: not sent to another one
                 if resp is not None:
                     await resp.aclose()
@@ -399,18 +400,34 @@ class Gateway:
         }
 
 
-async def _paced(first: bytes | None, rest: AsyncIterator[bytes], gap_s: float, deadline: float) -> AsyncIterator[bytes]:
-    """`first`, then the chunks of `rest`, each within `gap_s` of the previous one and all before `deadline`
-    (the event loop's clock); TimeoutError past either."""
+async def _paced(first: bytes | None, rest: AsyncIterator[bytes], gap_s: float, deadline: float,
+                 ep: Endpoint) -> AsyncIterator[bytes]:
+    """`first`, then the chunks of `rest`, all before `deadline` (the event loop's clock), each within `gap_s` of
+    the previous one unless the instance `ep` delivered a chunk to another of its streams within `gap_s`: a busy
+    instance that makes progress is not stalled (its micro-batches can hold a stream back longer than a token's
+    time), one that delivers nothing to anyone is. TimeoutError past either bound."""
     if first is None:
         return
-    yield first
     loop = asyncio.get_running_loop()
+    ep.progress_at = loop.time()
+    yield first
     while True:
-        async with asyncio.timeout_at(min(loop.time() + gap_s, deadline)):
-            chunk = await anext(rest, None)
+        step = asyncio.ensure_future(anext(rest, None))
+        try:
+            while not step.done():
+                now = loop.time()
+                if now >= deadline or now - ep.progress_at >= gap_s:
+                    raise TimeoutError
+                await asyncio.wait({step}, timeout=min(ep.progress_at + gap_s, deadline) - now)
+        finally:
+            if not step.done():
+                step.cancel()
+                with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
+                    await step
+        chunk = step.result()
         if chunk is None:
             return
+        ep.progress_at = loop.time()
         yield chunk
 
 
