@@ -141,7 +141,7 @@ def test_replan_errors_are_json_and_the_size_limit_holds_however_framed(tmp_path
         r = httpx.post(f"{srv.url}/replan", content=chunks())
         assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
 
-        def unwritable(self, plan):  # a read-only state file (root ignores file modes, so the error is injected)
+        def unwritable(self, plan, pin=None):  # a read-only state file (root ignores file modes: injected)
             raise sqlite3.OperationalError("attempt to write a readonly database")
 
         monkeypatch.setattr(Store, "set_plan", unwritable)
@@ -166,6 +166,34 @@ def test_a_posted_plan_is_pinned_until_released(tmp_path):
         released = httpx.post(f"{srv.url}/replan?release=true&wait=true")
         assert released.status_code == 200 and released.json()["pinned"] is False
         assert c.store.plan() == OTHER_PLAN
+    finally:
+        srv.stop()
+        c.backend.close()  # type: ignore[attr-defined]
+
+
+def test_a_refused_replan_leaves_the_store_writable_and_the_file_true(tmp_path):
+    """A plan breaking the schema's invariants (a duplicate instance id) gets a 400 naming it; a write that fails
+    inside the transaction rolls it back (no pin left behind, later writes work); every 200 is in the file, as a
+    fresh Store on it reads."""
+    registry = Registry()
+    c = Controller(Store(tmp_path / "s.sqlite"), EmulatedBackend(time_scale=0.0), registry, lambda: OTHER_PLAN)
+    srv = replan_server(tmp_path, c)
+    try:
+        doubled = json.loads(PLAN.model_dump_json())
+        doubled["instances"].append(doubled["instances"][0])
+        r = httpx.post(f"{srv.url}/replan", json=doubled)
+        assert r.status_code == 400 and "ids must be unique" in r.json()["error"]["message"]
+        assert PLAN.instances[0].id in r.json()["error"]["message"]
+        broken = PLAN.model_construct(**{**dict(PLAN), "instances": [*PLAN.instances, PLAN.instances[0]]})
+        with pytest.raises(sqlite3.IntegrityError):
+            c.store.set_plan(broken, pin=True)  # what once wedged the store: UNIQUE failed mid-transaction
+        assert not Store(tmp_path / "s.sqlite").pinned()  # rolled back with it
+        assert httpx.post(f"{srv.url}/replan?wait=true", content=PLAN.model_dump_json()).status_code == 200
+        assert Store(tmp_path / "s.sqlite").pinned() and Store(tmp_path / "s.sqlite").plan() == PLAN
+        released = httpx.post(f"{srv.url}/replan?release=true&wait=true")
+        assert released.status_code == 200 and released.json()["pinned"] is False
+        reopened = Store(tmp_path / "s.sqlite")
+        assert not reopened.pinned() and reopened.plan() == OTHER_PLAN
     finally:
         srv.stop()
         c.backend.close()  # type: ignore[attr-defined]

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from coral.catalog.loader import load_file
 from coral.catalog.schema import SafeName
@@ -202,6 +202,14 @@ class Plan(_PlanModel):
     slo: SloCheck | None = Field(default=None, description="simulated SLO attainment against each model's target "
                                  "(None: not checked)")
     created_at: str = ""
+
+    @model_validator(mode="after")
+    def _instance_ids_unique(self) -> Plan:
+        twice = sorted((iid, n) for iid, n in Counter(i.id for i in self.instances).items() if n > 1)
+        if twice:
+            raise ValueError("instances: ids must be unique; " + ", ".join(f"{iid} appears {n} times"
+                                                                            for iid, n in twice[:5]))
+        return self
 
     def class_of(self, model: str, input_tokens: float) -> str | None:
         """The request class of a prompt of `input_tokens` for `model` (None when planned without classes)."""

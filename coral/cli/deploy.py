@@ -120,7 +120,10 @@ def register(app: typer.Typer) -> None:
         elif checkpoint is not None:
             raise CoralInputError("--checkpoint: only with --engine coral (stock vLLM loads the model by name)")
         check_out_folder(out)
-        p = Plan.load(plan)
+        try:
+            p = Plan.load(plan)
+        except CoralInputError as exc:
+            raise CoralInputError(f"{exc}\nnothing was written") from exc
         catalog = builtin_catalog()
         check_plan(p, catalog, f"--plan {plan}")
         who = "the Coral engine" if engine == "coral" else "stock vLLM"

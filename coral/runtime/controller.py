@@ -20,13 +20,14 @@ Each failed instance's row in `state()` says why (`last_error`: the backend's re
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import json
 import secrets
 import sqlite3
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -101,15 +102,27 @@ class Store:
     def close(self) -> None:
         self.db.close()
 
-    def set_plan(self, plan: Plan) -> None:
+    @contextlib.contextmanager
+    def _transaction(self) -> Iterator[sqlite3.Connection]:
+        """One transaction, rolled back when anything in it fails: the file holds all of it or none of it, and
+        the connection is never left inside an open transaction (every later write would fail)."""
         with self.lock:
             self.db.execute("BEGIN")
-            self.db.execute("INSERT OR REPLACE INTO meta VALUES ('plan', ?)", (plan.model_dump_json(),))
-            self.db.execute("DELETE FROM desired")
-            self.db.executemany(
-                "INSERT INTO desired VALUES (?, ?)", [(i.id, i.model_dump_json()) for i in plan.instances]
-            )
+            try:
+                yield self.db
+            except BaseException:
+                self.db.execute("ROLLBACK")
+                raise
             self.db.execute("COMMIT")
+
+    def set_plan(self, plan: Plan, pin: bool | None = None) -> None:
+        """Store `plan` as the desired state (and, with `pin`, pin or release it in the same transaction)."""
+        with self._transaction() as db:
+            if pin is not None:
+                db.execute("INSERT OR REPLACE INTO meta VALUES ('pinned', ?)", ("1" if pin else "0",))
+            db.execute("INSERT OR REPLACE INTO meta VALUES ('plan', ?)", (plan.model_dump_json(),))
+            db.execute("DELETE FROM desired")
+            db.executemany("INSERT INTO desired VALUES (?, ?)", [(i.id, i.model_dump_json()) for i in plan.instances])
 
     def engine_token(self) -> str:
         """The token the gateway sends its engines (made once and kept, so restarted runs reach the engines
@@ -348,8 +361,8 @@ class Controller:
         desired = self.store.desired()
         return [iid for iid in self.store.observed(("failed",)) if iid in desired]
 
-    def set_plan(self, plan: Plan) -> None:
-        self.store.set_plan(plan)
+    def set_plan(self, plan: Plan, pin: bool | None = None) -> None:
+        self.store.set_plan(plan, pin)
 
     def replan(self) -> dict[str, list[str]]:
         """Ask the planner (if any, and the plan is not pinned) for a new plan, then reconcile."""
@@ -517,9 +530,8 @@ def controller_router(
             msg = "the plan posted to /replan is pinned: POST /replan?release=true hands planning back"
             return error_response(409, msg, "plan_pinned")
         try:
-            if plan is not None:
-                controller.store.pin(True)  # first: a planner tick in between cannot replace the posted plan
-                controller.set_plan(plan)
+            if plan is not None:  # pinned with it, in one transaction: a planner tick cannot replace it
+                controller.set_plan(plan, pin=True)
             elif release:
                 controller.store.pin(False)
             if wait:
