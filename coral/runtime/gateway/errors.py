@@ -12,7 +12,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from coral.openai_shapes import InvalidRequest, error_body
+from coral.openai_shapes import InvalidRequest, error_body, error_type
 
 
 class UpstreamError(Exception):
@@ -27,9 +27,6 @@ class UpstreamError(Exception):
     def backpressure(self) -> bool:
         """Whether the pool refused the request for now (every instance answered 429/503 with Retry-After)."""
         return self.retry_after is not None
-
-
-ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 429: "rate_limit_error"}
 
 
 class AsciiJSONResponse(JSONResponse):
@@ -48,8 +45,7 @@ def error_response(
 ) -> JSONResponse:
     """OpenAI's error shape; `type` follows the status (server_error for 5xx)."""
     headers = {"Retry-After": str(retry_after)} if retry_after is not None else None
-    kind = ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
-    return AsciiJSONResponse(error_body(message, kind, param, code), status, headers=headers)
+    return AsciiJSONResponse(error_body(message, error_type(status), param, code), status, headers=headers)
 
 
 def parse_json(raw: bytes) -> Any:
