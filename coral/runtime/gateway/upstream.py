@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import math
 import time
@@ -405,30 +404,47 @@ async def _paced(first: bytes | None, rest: AsyncIterator[bytes], gap_s: float, 
     """`first`, then the chunks of `rest`, all before `deadline` (the event loop's clock), each within `gap_s` of
     the previous one unless the instance `ep` delivered a chunk to another of its streams within `gap_s`: a busy
     instance that makes progress is not stalled (its micro-batches can hold a stream back longer than a token's
-    time), one that delivers nothing to anyone is. TimeoutError past either bound."""
+    time), one that delivers nothing to anyone is. TimeoutError past either bound. Each wait costs one timer, as a
+    plain timeout would: the timer, when it fires, moves itself to the instance's newer progress instead of
+    expiring."""
     if first is None:
         return
     loop = asyncio.get_running_loop()
     ep.progress_at = loop.time()
     yield first
     while True:
-        step = asyncio.ensure_future(anext(rest, None))
-        try:
-            while not step.done():
-                now = loop.time()
-                if now >= deadline or now - ep.progress_at >= gap_s:
-                    raise TimeoutError
-                await asyncio.wait({step}, timeout=min(ep.progress_at + gap_s, deadline) - now)
-        finally:
-            if not step.done():
-                step.cancel()
-                with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
-                    await step
-        chunk = step.result()
+        async with asyncio.timeout(None) as reader:
+            timer = _StallTimer(loop, reader, ep, gap_s, deadline)
+            try:
+                chunk = await anext(rest, None)
+            finally:
+                timer.cancel()
         if chunk is None:
             return
         ep.progress_at = loop.time()
         yield chunk
+
+
+class _StallTimer:
+    """Expires `reader` once `ep` has delivered nothing for `gap_s`, or at `deadline`."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, reader: asyncio.Timeout, ep: Endpoint, gap_s: float,
+                 deadline: float) -> None:
+        self.loop, self.reader, self.ep, self.gap_s, self.deadline = loop, reader, ep, gap_s, deadline
+        self.handle = loop.call_at(self._due(), self._fire)
+
+    def _due(self) -> float:
+        return min(self.ep.progress_at + self.gap_s, self.deadline)
+
+    def _fire(self) -> None:
+        now, due = self.loop.time(), self._due()
+        if now >= due:
+            self.reader.reschedule(now)
+        else:
+            self.handle = self.loop.call_at(due, self._fire)
+
+    def cancel(self) -> None:
+        self.handle.cancel()
 
 
 
