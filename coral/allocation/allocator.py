@@ -63,6 +63,12 @@ class _Context:
     bound: list[LatencyBound]
     cover: _Coverage | None = None  # scarcity modes: the models that can each get an instance (`_coverage`)
 
+    @property
+    def model_group(self) -> tuple[list[str], np.ndarray]:
+        """The models (sorted) and, per key, the index of its model: a request needs both its model's phases."""
+        models = sorted({m for m, _p in self.keys})
+        return models, np.array([models.index(m) for m, _p in self.keys], dtype=np.int64)
+
 
 @dataclass
 class _Coverage:
@@ -99,8 +105,7 @@ def _coverage(ctx: _Context, weights: np.ndarray, time_limit: float) -> _Coverag
     np.minimum.at(least, cols.key[useful], cols.throughput[useful])
     with np.errstate(divide="ignore", invalid="ignore"):
         share = np.where(pos & np.isfinite(least), np.minimum(1.0, least / ctx.demand), np.inf)
-    models = sorted({m for m, _p in ctx.keys})
-    group = np.array([models.index(m) for m, _p in ctx.keys], dtype=np.int64)
+    models, group = ctx.model_group
     model_share = np.full(len(models), np.inf)
     np.minimum.at(model_share, group, share)
     share = np.where(pos & np.isfinite(model_share[group]), model_share[group], 0.0) * (1 - 1e-6)
@@ -306,8 +311,7 @@ def _solve_served(ctx: _Context, objective: Literal["maxmin", "goodput"], weight
     rounded down and water-filled (the solver's rounder). Small problems go to HiGHS whole (`DIRECT_COLUMNS`)
     unless the LP's row `duals` are wanted (to name what binds). When `_coverage` proved t = 0, the max-min
     problem is not solved: its best start is optimal."""
-    models = sorted({m for m, _p in ctx.keys})
-    group = np.array([models.index(m) for m, _p in ctx.keys])
+    _models, group = ctx.model_group
     decoding = {m for (m, p), d in zip(ctx.keys, ctx.demand, strict=True) if p == Phase.DECODE and d > 0}
     counts = np.array([p == Phase.DECODE or m not in decoding for m, p in ctx.keys])  # prompts where none decode
     gain = weights * ctx.demand * counts / max(float((ctx.demand * counts).sum()), 1e-12)
