@@ -42,6 +42,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from _console import table_console  # benchmarks/_console.py
 from rich.console import Console
 from rich.table import Table
 
@@ -231,7 +232,7 @@ def main() -> None:
     ap.add_argument("--scale", action="store_true", help="only the models x regions growth")
     ap.add_argument("--scarce-factor", type=float, default=0.5)
     args = ap.parse_args()
-    console = Console()
+    console = table_console()
     if args.replan or args.scale:
         args.out.mkdir(parents=True, exist_ok=True)
         for flag, name, make in (

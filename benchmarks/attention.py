@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 import torch
-from rich.console import Console
+from _console import table_console  # benchmarks/_console.py
 from rich.table import Table
 from torch.nn.functional import scaled_dot_product_attention
 
@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, float | str | int]]:
         table.add_row(str(r["case"]), str(r["requests"]), str(r["query_tokens"]), str(r["key_tokens"]),
                       f"{r['per_request_ms']:.3f}", f"{r['batched_ms']:.3f}", str(r["sdpa_calls"]),
                       f"{r['speedup']:.2f}", f"{r['build_ms']:.3f}", f"{r['max_abs_diff']:.1e}")
-    Console(width=140).print(table)
+    table_console(pipe_width=140).print(table)
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"attention-{device.type}.json"
     path.write_text(json.dumps({"device": name, "dtype": str(dtype), "heads": [heads, kv_heads, dim],

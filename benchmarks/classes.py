@@ -16,8 +16,8 @@ import argparse
 import json
 from pathlib import Path
 
+from _console import table_console  # benchmarks/_console.py
 from allocator import with_classes  # benchmarks/allocator.py (this script's folder is on sys.path)
-from rich.console import Console
 from rich.table import Table
 
 from coral.allocation.allocator import allocate
@@ -41,7 +41,7 @@ def main() -> None:
     ap.add_argument("--library-dir", type=Path, default=Path("out"))
     ap.add_argument("--out", type=Path, default=Path("out/benchmarks"))
     args = ap.parse_args()
-    console = Console()
+    console = table_console()
     rows: list[dict[str, object]] = []
     for name in args.scenario:
         base = load_scenario(name)

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from rich.console import Console
+from _console import table_console  # benchmarks/_console.py
 from rich.table import Table
 
 from coral.allocation.plan import Plan
@@ -171,7 +171,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--out", type=Path, default=Path("out/benchmarks"))
     args = ap.parse_args()
-    console = Console()
+    console = table_console()
     tmp = Path(tempfile.mkdtemp(prefix="coral-cluster-bench-"))
     cache = tmp / "cache"
     t0 = time.perf_counter()

@@ -39,6 +39,7 @@ from pathlib import Path
 
 import httpx
 import torch
+from _console import table_console  # benchmarks/_console.py
 from rich.console import Console
 from rich.table import Table
 
@@ -259,7 +260,7 @@ def main() -> None:
     ap.add_argument("--vllm", action="store_true", help="also measure real vLLM on CPU (if installed)")
     ap.add_argument("--out", type=Path, default=Path("out/benchmarks"))
     args = ap.parse_args()
-    console = Console()
+    console = table_console()
     spec = TinyLlamaSpec(num_hidden_layers=args.layers, hidden_size=args.hidden, intermediate_size=2 * args.hidden,
                          num_attention_heads=8, num_key_value_heads=4, initializer_range=0.25)
     rng = random.Random(0)

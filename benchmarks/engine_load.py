@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from _console import table_console  # benchmarks/_console.py
 from rich.console import Console
 from rich.table import Table
 
@@ -394,7 +395,7 @@ def main() -> None:
     args = p.parse_args()
     if args.quick:
         args.requests, args.streams = 40, 6
-    console = Console()
+    console = table_console()
     with tempfile.TemporaryDirectory(prefix="coral-engine-load-") as tmp, \
             serve(Path(tmp), args.slo_timeout, args.start_timeout) as s:
         a = asyncio.run(load(s, args.requests, args.max_tokens, args.seed, args.client_timeout))

@@ -30,6 +30,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from _console import table_console  # benchmarks/_console.py
 from rich.console import Console
 from rich.table import Table
 
@@ -163,7 +164,7 @@ def main() -> None:
     ap.add_argument("--load", type=int, default=0,
                     help="keep this many busy processes running meanwhile (a loaded machine: plans must not change)")
     args = ap.parse_args()
-    console = Console(width=160)
+    console = table_console()
     busy = [multiprocessing.Process(target=spin, daemon=True) for _ in range(args.load)]
     for proc in busy:
         proc.start()

@@ -35,7 +35,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
-from rich.console import Console
+from _console import table_console  # benchmarks/_console.py
 from rich.table import Table
 
 from coral.allocation.allocator import allocate
@@ -299,7 +299,7 @@ def main() -> None:
                     help="pin the prefill node processes to CPU 0 and the decode ones to CPU 1 (Linux)")
     ap.add_argument("--out", type=Path, default=OUT / "fidelity.json")
     args = ap.parse_args()
-    console = Console()
+    console = table_console()
     rng = random.Random(args.seed)
     spec = TinyLlamaSpec()
     ckpt = make_tiny_llama(OUT / "fidelity-tiny-llama", spec)

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rich.console import Console
+from _console import table_console  # benchmarks/_console.py
 from rich.table import Table
 
 from coral.runtime.emulated import EngineTiming, create_engine_app
@@ -267,7 +267,7 @@ def main() -> None:
             f"{r['gateway_cpu_ms_per_req']:.3f}",
             f"{r['engines_cpu_ms_per_req']:.3f}",
         )
-    Console().print(t)
+    table_console().print(t)
     if fixed:
         f = Table(
             "offered req/s",
@@ -296,7 +296,7 @@ def main() -> None:
                 f"{r['added_p50_ms']:+.2f}",
                 f"{r['added_p99_ms']:+.2f}",
             )
-        Console().print(f)
+        table_console().print(f)
     OUT.parent.mkdir(parents=True, exist_ok=True)
     meta = {
         "requests": args.requests,
@@ -309,7 +309,7 @@ def main() -> None:
         "load_avg_1m": os.getloadavg()[0],
     }
     OUT.write_text(json.dumps({"config": meta, "routes": rows, "fixed_rates": fixed}, indent=2))
-    Console().print(f"wrote {OUT}")
+    table_console().print(f"wrote {OUT}")
 
 
 if __name__ == "__main__":

@@ -263,7 +263,7 @@ def write_profile(out: Path, config: str, rows: dict[Phase, list[tuple[int, floa
 def predicted_vs_measured(out: Path, size: Size) -> list[dict[str, object]]:
     """The shipped performance model's per-layer time beside each measured point of the profile just written
     (read back as `coral perf calibrate` reads it), printed as a table."""
-    from rich.console import Console
+    from _console import table_console  # benchmarks/_console.py
     from rich.table import Table
 
     from coral.catalog.loader import builtin_catalog
@@ -284,7 +284,7 @@ def predicted_vs_measured(out: Path, size: Size) -> list[dict[str, object]]:
                          "predicted_ms": 1e3 * float(p), "ratio": float(p / measured)})
             table.add_row(config, str(phase), f"{b:.0f}", f"{1e3 * measured:.4f}", f"{1e3 * p:.4f}",
                           f"{p / measured:.2f}")
-    Console(width=120, stderr=True).print(table)
+    table_console(stderr=True, pipe_width=120).print(table)
     return rows
 
 

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rich.console import Console
+from _console import table_console  # benchmarks/_console.py
 from rich.table import Table
 
 from coral.allocation import baselines
@@ -37,7 +37,7 @@ def main() -> None:
     ap.add_argument("--library-dir", type=Path, default=Path("out"))
     ap.add_argument("--out", type=Path, default=Path("out/benchmarks"))
     args = ap.parse_args()
-    console = Console(width=160)
+    console = table_console()
     report: dict[str, Any] = {}
     for name in args.scenario:
         sc = load_scenario(name)

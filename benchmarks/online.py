@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from _console import table_console  # benchmarks/_console.py
 from rich.console import Console
 from rich.table import Table
 
@@ -122,7 +123,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("out"), help="folder of the template libraries")
     ap.add_argument("--json", type=Path, default=Path("out/benchmarks/online.json"))
     args = ap.parse_args()
-    console = Console(width=160)
+    console = table_console()
     rows: list[dict] = []
     for name in args.scenario:
         sc = load_scenario(name)

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
-from rich.console import Console
+from _console import table_console  # benchmarks/_console.py
 from rich.table import Table
 
 from coral.catalog.loader import builtin_catalog, data_path
@@ -164,7 +164,7 @@ def main() -> None:
                   f"{max(floor.values()):.1%}")
     table.add_row("all", "worst <= 20%", *(f"{s['pairs with worst <= 20%']} of {s['pairs']}" for s in summary.values()),
                   f"{sum(x <= 0.2 for x in floor.values())} of {len(floor)}")
-    Console().print(table)
+    table_console().print(table)
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "perf_fidelity.json"
     path.write_text(json.dumps({"profiles": str(args.profiles), "model": man.model,

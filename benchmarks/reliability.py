@@ -31,8 +31,8 @@ from typing import Any
 
 import httpx
 import yaml
+from _console import table_console  # benchmarks/_console.py
 from pydantic import ValidationError
-from rich.console import Console
 from rich.table import Table
 
 from coral.allocation.plan import Plan
@@ -813,7 +813,7 @@ def main() -> None:
             str(t.cut),
             zero,
         )
-    console = Console()
+    console = table_console()
     console.print(table)
     for t in tallies:
         for f in t.failures:

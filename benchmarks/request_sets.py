@@ -20,7 +20,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from rich.console import Console
+from _console import table_console  # benchmarks/_console.py
 from rich.table import Table
 
 from coral.allocation.demand import model_burst, run_length_s
@@ -49,7 +49,7 @@ def main() -> None:
     ap.add_argument("--duration", type=float, default=None, help="seconds per set (default: the run length)")
     ap.add_argument("--out", type=Path, default=Path("out"))
     args = ap.parse_args()
-    console = Console(width=180)
+    console = table_console(pipe_width=180)
     report: dict[str, Any] = {"split": TRACE_SPLIT, "scenarios": {}}
     for name in args.scenario or ["core", "extended"]:
         seconds, rows = scenario_rows(name, args.duration)

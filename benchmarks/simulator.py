@@ -16,7 +16,7 @@ import json
 import platform
 from pathlib import Path
 
-from rich.console import Console
+from _console import table_console  # benchmarks/_console.py
 from rich.table import Table
 
 from coral.allocation.allocator import allocate
@@ -37,7 +37,7 @@ def main() -> None:
     ap.add_argument("--greedy", action="store_true", help="greedy stand-in plan instead of the allocator's")
     ap.add_argument("--out", type=Path, default=Path("out"))
     args = ap.parse_args()
-    console = Console(width=160)
+    console = table_console()
     sc = load_scenario(args.scenario)
     if args.plan:
         plan = Plan.load(args.plan)

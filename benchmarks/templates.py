@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from rich.console import Console
+from _console import table_console  # benchmarks/_console.py
 from rich.table import Table
 
 from coral.catalog.loader import builtin_catalog, load_scenario
@@ -83,7 +83,7 @@ def main() -> None:
     ap.add_argument("--ilp-sets", type=int, default=8, help="node sets solved by both solvers")
     ap.add_argument("--out", type=Path, default=Path("out/benchmarks"))
     args = ap.parse_args()
-    console = Console()
+    console = table_console()
     sc = load_scenario(args.scenario)
 
     t0 = time.perf_counter()

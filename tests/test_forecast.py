@@ -269,3 +269,59 @@ def test_floor_keeps_an_idle_model_served(phi_only) -> None:
     assert allocator_replanner(library, sc)(1, idle, None).instances == []
     kept = allocator_replanner(library, sc, floor_tokens_s=1.0)(1, idle, None)
     assert {(i.model, i.phase) for i in kept.instances} == {("phi-4", "prefill"), ("phi-4", "decode")}
+
+
+def test_serve_starts_from_the_current_plan_and_never_plans_below_its_headroom(phi_only, tmp_path) -> None:
+    """`coral serve` with the current plan (SLO-true, from `coral run`): the first plan is that plan itself, at
+    its cost; every re-plan keeps at least that plan's headroom x the traffic observed, even when the forecast
+    lags a jump, and light traffic may shrink the plan but never below that floor."""
+    from coral.allocation.allocator import allocate
+    from coral.cli.runtime import allocator_planner
+    from coral.planning.slo_search import with_traffic
+    from coral.simulation import ModelDemand
+    from coral.simulation.replan import capacity
+
+    sc, library = phi_only
+    path = tmp_path / "phi.yaml"
+    path.write_text(sc.model_dump_json())
+    library.save(tmp_path / "phi.templates.sqlite")
+    traffic = {("phi-4", Phase.PREFILL): 10.0 * 1155, ("phi-4", Phase.DECODE): 10.0 * 211}
+    room = {("phi-4", Phase.PREFILL): 3.0, ("phi-4", Phase.DECODE): 2.0}
+    current = with_traffic(allocate(library, sc, demand={k: v * room[k] for k, v in traffic.items()}), traffic)
+    rates = (10.0, 1.0, 1.0, 12.0)
+    shown = [ObservedDemand(0, 0.0, 0.0, {"phi-4": ModelDemand(10.0, 11550.0, 2110.0)})]
+    shown += [ObservedDemand(e, 60.0 * e, 60.0 * (e + 1), {"phi-4": ModelDemand(r, r * 1155, r * 211)},
+                             interval_s=60.0, series={"phi-4": [ModelDemand(r, r * 1155, r * 211)]})
+              for e, r in enumerate(rates, 1)]
+    plans = []
+    planner = allocator_planner(str(path), lambda: plans[-1] if plans else None, out=tmp_path,
+                                observe=lambda: shown[len(plans)], initial=current)
+    for _ in shown:
+        plans.append(planner())
+    assert plans[0] is current
+    for plan, seen in zip(plans[1:], shown[1:], strict=True):
+        for k, h in room.items():
+            observed = seen.models["phi-4"].prefill_tokens_s if k[1] is Phase.PREFILL else seen.models[
+                "phi-4"].decode_tokens_s
+            assert capacity(plan, k) >= h * observed * (1 - 1e-9)
+    assert plans[2].cost_per_hour < current.cost_per_hour  # light traffic: a smaller plan
+
+
+def test_every_replan_is_said_with_old_and_new_cost_and_why(phi_only) -> None:
+    from coral.allocation.allocator import allocate
+    from coral.cli.runtime import logged_planner, replan_words
+
+    sc, library = phi_only
+    big = allocate(library, sc, demand={("phi-4", Phase.PREFILL): 40_000.0, ("phi-4", Phase.DECODE): 8_000.0})
+    small = allocate(library, sc, demand={("phi-4", Phase.PREFILL): 4_000.0, ("phi-4", Phase.DECODE): 800.0})
+    assert replan_words(big, big.model_copy(deep=True)) is None
+    line = replan_words(big, small)
+    assert line is not None
+    assert line.startswith(f"re-plan: ${big.cost_per_hour:,.2f}/h -> ${small.cost_per_hour:,.2f}/h")
+    assert "phi-4/prefill asks 4,000 tok/s" in line and "phi-4/decode asks 800 tok/s" in line
+    said: list[str] = []
+    running = [big]
+    plan = logged_planner(lambda: small, lambda: running[-1], said.append)
+    running.append(plan())
+    plan()  # the same plan again: nothing said
+    assert said == [line]

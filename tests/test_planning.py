@@ -209,6 +209,21 @@ def test_search_with_a_subset_planner_is_never_dearer_than_the_subset_search() -
     assert [r.index for r in both.rounds] == list(range(len(both.rounds)))
 
 
+def test_a_search_whose_rounds_would_repeat_stops() -> None:
+    """A planner that returns one fixed plan whatever is asked (as homo-greedy did at its cap), in a world where it
+    never passes: once a round moves no bracket, the next would repeat it, so the search stops there instead of
+    running its 12 rounds (homo-greedy ran 12 identical rounds, cauchy-paper 10)."""
+    fixed = toy_planner({k: v * 1.5 for k, v in scenario_traffic(toy_scenario()).items()})
+    _, evaluate = _world(ceiling=0.5)
+    res = search_plan(lambda demand: fixed.model_copy(deep=True), toy_scenario(), SearchSettings(max_rounds=12),
+                      evaluate=evaluate)
+    assert 2 <= len(res.rounds) <= 3 and not res.met
+    assert len({r.cost_per_hour for r in res.rounds}) == 1
+    # a search whose brackets still move runs on (the world above, with a planner that follows demand)
+    assert len(search_plan(toy_planner, toy_scenario(), SearchSettings(max_rounds=12),
+                           evaluate=_world(ceiling=0.5)[1]).rounds) > 3
+
+
 def test_a_key_that_does_not_respond_to_capacity_stops_drawing_it() -> None:
     """Model a's prompts meet the TTFT SLO for at most 80 % of requests whatever its prefill capacity (a latency
     ceiling): the search stops growing that key and says why, rather than buying capacity every round."""

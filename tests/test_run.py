@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -36,6 +37,23 @@ def test_coral_run_writes_plans_simulation_and_report(tmp_path: Path) -> None:
     assert abs(sum(i.cost_per_hour for i in plan.instances) - plan.cost_per_hour) < 1e-6
     html = (folder / "report.html").read_text()
     assert "<html" in html and plan.scenario in html
+    # the plan chosen is the scenario's current plan, and the report's headline is its verdict as printed
+    current = Plan.load(tmp_path / "core.current.plan.json")
+    assert plan_fingerprint(current) == plan_fingerprint(plan) and current.cost_per_hour == plan.cost_per_hour
+    found = re.search(r'<script id="coral-data" type="application/json">(.*?)</script>', html)
+    assert found is not None
+    data = json.loads(found.group(1))
+    assert data["verdict"]["cost_per_hour"] == plan.cost_per_hour
+    assert f"Verdict per model: Coral's plan, ${plan.cost_per_hour:,.2f}/h" in res.output
+    table = res.output.split("Verdict per model")[1]
+    printed = {words[0]: line for line in table.splitlines()
+               if (words := re.sub(r"[│┃|]", " ", line).split()) and words[0] in plan.slo.target}
+    for row in data["verdict"]["models"]:
+        m = row["model"]
+        assert row["held_out"] == plan.slo.held_out[m] and row["pass"] == plan.slo.passed(m)
+        assert f"{row['held_out']:.1%}" in printed[m] and ("pass" in printed[m]) == row["pass"]
+    assert data["slo"]["run"].startswith("Coral's plan re-planned") and "mean" in data["slo"]["run"]
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []  # nothing left aside
     assert (folder / "sim.json").exists() and (folder / "latency_cdf.png").exists()
     assert (tmp_path / "core.templates.sqlite").exists()
     # every method's plan is simulated on the same requests, and the report gets them all
@@ -52,3 +70,31 @@ def test_coral_run_writes_plans_simulation_and_report(tmp_path: Path) -> None:
     other = Plan.load(folder / f"plan.cost.{methods[1]}.json")
     if plan_fingerprint(other) != plan_fingerprint(plan):
         assert any("another plan" in n for n in view_model(other, sim=inputs)["notes"])
+
+
+def test_a_staged_folder_replaces_the_previous_one_only_when_complete(tmp_path: Path) -> None:
+    from coral.cli.common import staged_folder
+
+    folder = tmp_path / "run-core"
+    folder.mkdir()
+    (folder / "summary.json").write_text("old")
+    with pytest.raises(KeyboardInterrupt), staged_folder(folder) as work:
+        (work / "summary.json").write_text("half")
+        raise KeyboardInterrupt
+    assert (folder / "summary.json").read_text() == "old" and sorted(tmp_path.iterdir()) == [folder]
+    with staged_folder(folder) as work:
+        (work / "plan.json").write_text("new")
+        assert (folder / "summary.json").read_text() == "old"  # not yet
+    assert [p.name for p in folder.iterdir()] == ["plan.json"] and sorted(tmp_path.iterdir()) == [folder]
+
+
+def test_an_interrupted_run_says_the_previous_outputs_are_unchanged(tmp_path: Path, monkeypatch) -> None:
+    import coral.cli.run as run_module
+
+    def interrupted(*_a: object, **_k: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(run_module, "scenario_and_market", interrupted)
+    res = CliRunner().invoke(app, ["run", "--out", str(tmp_path)])
+    assert res.exit_code == 130
+    assert "interrupted" in res.output and "unchanged" in res.output and str(tmp_path / "run-core") in res.output

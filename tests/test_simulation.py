@@ -487,9 +487,13 @@ def test_cli_simulate(tmp_path: Path) -> None:
         ],
     )
     assert r.exit_code == 0, r.output
-    res = SimResult.load_json(tmp_path / "sim" / "core-lor" / "result.json")
+    from coral.report.view import plan_fingerprint
+
+    folder = simulate_cli.sim_folder(tmp_path, "core", "lor", plan_path, plan_fingerprint(Plan.load(plan_path)))
+    assert folder.name.startswith("core-plan-") and folder.name.endswith("-lor")
+    res = SimResult.load_json(folder / "result.json")
     assert res.router == "lor" and res.duration_s == 60 and res.unfinished == 0
-    assert (tmp_path / "sim" / "core-lor" / "latency_cdf.png").exists()
+    assert (folder / "latency_cdf.png").exists()
     bad = runner.invoke(app, ["simulate", "core", "--plan", str(plan_path), "--trace", "phi-4=/nope.csv"])
     assert bad.exit_code == 2 and "no such file" in bad.output
     bad = runner.invoke(app, ["simulate", "core", "--plan", str(plan_path), "--router", "x"])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
@@ -232,3 +233,22 @@ def test_library_fingerprint_names_what_changed_and_stale_libraries_are_rebuilt(
     assert built == ["core"] and "perf changed" in capsys.readouterr().err
     store.load_library("core", tmp_path)  # now current: loaded, not rebuilt
     assert built == ["core"]
+
+
+def test_a_first_build_on_a_machine_counts_numbas_compile_in_its_estimate(tmp_path, monkeypatch, capsys) -> None:
+    """A fresh clone's first core build took 22 s (numba compiling the solver), not the 4 s it announced."""
+    from coral.catalog.loader import load_scenario
+    from coral.templates import store
+
+    core = load_scenario("core")
+    assert store.build_estimate_s(core, 2, compiled=False) == pytest.approx(store.build_estimate_s(core, 2) + 18.0)
+    compiled = store.solver_compiled
+    monkeypatch.setattr(store, "solver_compiled", lambda: False)
+    monkeypatch.setattr(store, "build_library", lambda *_a, **_k: (_ for _ in ()).throw(RuntimeError("stop")))
+    with pytest.raises(RuntimeError, match="stop"):
+        store.load_library("core", tmp_path)
+    said = " ".join(capsys.readouterr().err.split())
+    assert "numba compiling the placement solver first (once per machine)" in said
+    assert re.search(r"expected about 2\d s on", said), said
+    monkeypatch.setenv("NUMBA_CACHE_DIR", str(tmp_path))
+    assert compiled() == any((Path(store.__file__).parent / "__pycache__").rglob("placement.*.nbi"))

@@ -19,6 +19,7 @@ from coral.allocation.reductions import pareto_columns
 from coral.allocation.solver import Problem
 from coral.catalog.loader import Catalog, CoralInputError
 from coral.catalog.schema import Scenario
+from coral.catalog.suggest import did_you_mean
 from coral.perf.model import Phase
 from coral.templates.dominance import undominated
 from coral.templates.library import TemplateLibrary
@@ -54,13 +55,15 @@ def make_market(library: TemplateLibrary, scenario: Scenario, catalog: Catalog,
             given = availability.get(region, {})
             for cfg, n in given.items():
                 if cfg not in library.configs:
-                    raise CoralInputError(f"availability.{region}: config {cfg!r} is not in the template library")
+                    raise CoralInputError(f"availability.{region}: config {cfg!r} is not in the template library"
+                                          f"{did_you_mean(cfg, library.configs)}")
                 if n < 0:
                     raise CoralInputError(f"availability.{region}.{cfg}: count must be >= 0")
             avail[r] = [float(given.get(cfg, 0)) for cfg in library.configs]
     for region in (availability or {}):
         if region not in regions:
-            raise CoralInputError(f"availability: region {region!r} is not in the scenario's regions")
+            raise CoralInputError(f"availability: region {region!r} is not in the scenario's regions"
+                                  f"{did_you_mean(region, regions)}")
     return Market(regions, list(library.configs), price, avail)
 
 
@@ -154,7 +157,8 @@ def make_columns(
     run_pairs: dict[int, set[int]] = {}
     for (t, reg_name), _n in running.items():
         if reg_name not in region_idx:
-            raise CoralInputError(f"running: region {reg_name!r} is not in the scenario's regions")
+            raise CoralInputError(f"running: region {reg_name!r} is not in the scenario's regions"
+                                  f"{did_you_mean(reg_name, market.regions)}")
         run_pairs.setdefault(t, set()).add(region_idx[reg_name])
     parts: list[tuple[np.ndarray, np.ndarray, int]] = []
     total = 0

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cache
 from importlib import resources
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import yaml
 from pydantic import BaseModel, ValidationError
@@ -24,6 +26,7 @@ from coral.catalog.schema import (
     Scenario,
     parse_config_name,
 )
+from coral.catalog.suggest import did_you_mean
 
 T = TypeVar("T", bound=BaseModel)
 
@@ -33,23 +36,96 @@ class CoralInputError(ValueError):
 
 
 def _read_structured(path: Path) -> Any:
+    if path.is_dir():
+        raise CoralInputError(f"{path}: is a folder, not a file")
     try:
         text = path.read_text()
     except OSError as exc:
         raise CoralInputError(f"{path}: cannot read: {exc.strerror}") from exc
     except UnicodeDecodeError as exc:
         raise CoralInputError(f"{path}: not UTF-8 text (byte {exc.start})") from exc
+    return parse_structured(text, str(path), "json" if path.suffix == ".json" else "yaml")
+
+
+def parse_structured(text: str, source: str, syntax: Literal["yaml", "json"] = "yaml") -> Any:
+    """`text` parsed as YAML or JSON; a syntax error is a CoralInputError naming `source`, the line and the column."""
     try:
-        if path.suffix == ".json":
-            return json.loads(text)
-        return yaml.safe_load(text)
-    except (yaml.YAMLError, json.JSONDecodeError) as exc:
-        raise CoralInputError(f"{path}: malformed {path.suffix.lstrip('.') or 'yaml'}: {exc}") from exc
+        return json.loads(text) if syntax == "json" else yaml.safe_load(text)
+    except json.JSONDecodeError as exc:
+        raise CoralInputError(f"{source}: malformed JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}") from None
+    except yaml.MarkedYAMLError as exc:
+        raise CoralInputError(f"{source}: malformed YAML{_yaml_where(exc)}") from None
+    except yaml.YAMLError as exc:
+        raise CoralInputError(f"{source}: malformed YAML: {exc}") from None
     except RecursionError:
-        raise CoralInputError(f"{path}: nested too deeply") from None
+        raise CoralInputError(f"{source}: nested too deeply") from None
+
+
+def _yaml_where(exc: yaml.MarkedYAMLError) -> str:
+    """' at line L, column C: problem (while ... at line L, column C)' of a YAML syntax error, without PyYAML's
+    '"<unicode string>"' for the file."""
+    def at(mark: yaml.Mark | None) -> str:
+        return f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+
+    out = f"{at(exc.problem_mark)}: {exc.problem or 'syntax error'}"
+    if exc.context:
+        out += f" ({exc.context}{at(exc.context_mark)})"
+    return out
+
+
+DOCUMENT_KINDS: tuple[tuple[str, str, frozenset[str]], ...] = (
+    ("Plan", "a plan", frozenset({"scenario", "method", "instances", "serving", "solve"})),
+    ("Scenario", "a scenario", frozenset({"name", "regions", "configs", "models", "availability"})),
+    ("OfferingCatalog", "an offerings file", frozenset({"offerings"})),
+    ("ModelCatalog", "a model catalogue", frozenset({"models"})),
+    ("GpuCatalog", "a GPU catalogue", frozenset({"gpus"})),
+    ("ModelArch", "a model architecture or Hugging Face config.json", frozenset({"num_hidden_layers", "hidden_size"})),
+    ("SimResult", "a simulation result", frozenset({"overall", "models", "epochs", "cost_timeline"})),
+    ("", "a `coral run` summary.json", frozenset({"planned_cost_per_hour", "slo_attainment"})),
+    ("PerfParams", "a perf-model parameters file", frozenset({"compute_efficiency", "memory_efficiency"})),
+    ("EndpointsFile", "an endpoints file", frozenset({"endpoints"})),
+    ("AvailabilitySchedule", "an availability schedule", frozenset({"steps"})),
+)
+"""(schema class name, '' for a document no schema reads; what its documents are called; keys that mark one): how
+a message names the document a file looks like when it is not the one expected."""
+
+
+def document_kind(schema: type[BaseModel]) -> str:
+    """What a document of `schema` is called in messages, with its article: 'a plan', 'an offerings file'."""
+    for name, kind, _ in DOCUMENT_KINDS:
+        if name == schema.__name__:
+            return kind
+    words = re.sub(r"(?<=[a-z])(?=[A-Z])", " ", schema.__name__).lower()
+    return f"{'an' if words[0] in 'aeiou' else 'a'} {words}"
+
+
+def _looks_like(data: Mapping[str, Any], not_kind: str) -> str | None:
+    """What `data` looks like (the kind whose marking keys it has, the most of them), other than `not_kind`."""
+    fits = [(len(keys), kind) for _, kind, keys in DOCUMENT_KINDS if kind != not_kind and keys <= data.keys()]
+    return max(fits, key=lambda f: f[0])[1] if fits else None
+
+
+def not_the_document(schema: type[BaseModel], data: Any, source: str) -> str | None:
+    """A one-line message when `data` is plainly not a `schema` document (not a mapping, or it lacks more than half
+    of the schema's required fields), saying what it looks like; None when it is one with some bad fields, whose
+    errors are worth listing one by one."""
+    kind = document_kind(schema)
+    if data is None:
+        return f"{source} is not {kind} (it is empty)"
+    if not isinstance(data, Mapping):
+        return f"{source} is not {kind} (it holds a {type(data).__name__}, not a mapping of fields)"
+    required = [name for name, field in schema.model_fields.items() if field.is_required()]
+    missing = [name for name in required if name not in data]
+    if 2 * len(missing) <= len(required):
+        return None
+    has = (f"none of {', '.join(required)}" if len(missing) == len(required)
+           else f"{len(required) - len(missing)} of its {len(required)} required fields; missing: {', '.join(missing)}")
+    looks = _looks_like(data, kind)
+    return f"{source} is not {kind} (it has {has}{f'; it looks like {looks}' if looks else ''})"
 
 
 def format_validation_error(source: str, exc: ValidationError) -> str:
+    """'source: invalid input' and a 'field: reason (got value)' line per error of `exc`."""
     lines = [f"{source}: invalid input"]
     for err in exc.errors():
         where = ".".join(str(p) for p in err["loc"]) or "(top level)"
@@ -60,10 +136,12 @@ def format_validation_error(source: str, exc: ValidationError) -> str:
 
 
 def validate(schema: type[T], data: Any, source: str) -> T:
+    """`data` as a `schema` document; CoralInputError naming `source`: what the document looks like when it is
+    plainly another kind, else each bad field and why."""
     try:
         return schema.model_validate(data)
     except ValidationError as exc:
-        raise CoralInputError(format_validation_error(source, exc)) from exc
+        raise CoralInputError(not_the_document(schema, data, source) or format_validation_error(source, exc)) from exc
 
 
 def load_file(schema: type[T], path: str | Path) -> T:
@@ -106,19 +184,21 @@ class Catalog:
         try:
             return self.gpus[name]
         except KeyError:
-            raise CoralInputError(f"unknown GPU {name!r}; known: {', '.join(sorted(self.gpus))}") from None
+            raise CoralInputError(f"unknown GPU {name!r}{did_you_mean(name, self.gpus)}; known: "
+                                  f"{', '.join(sorted(self.gpus))}") from None
 
     def model(self, name: str) -> ModelArch:
         try:
             return self.models[name]
         except KeyError:
-            raise CoralInputError(f"unknown model {name!r}; known: {', '.join(sorted(self.models))}") from None
+            raise CoralInputError(f"unknown model {name!r}{did_you_mean(name, self.models)}; known: "
+                                  f"{', '.join(sorted(self.models))}") from None
 
     def node_config(self, name: str) -> NodeConfig:
         try:
             gpu_name, count = parse_config_name(name)
         except ValueError as exc:
-            raise CoralInputError(str(exc)) from None
+            raise CoralInputError(f"{exc}{did_you_mean(name, self.configs())}") from None
         gpu = self.gpu(gpu_name)
         nics = [o.nic_gbps for o in self.offerings if o.config == name]
         return NodeConfig(name=name, gpu=gpu, count=count, nic_gbps=min(nics) if nics else 25.0)
@@ -133,6 +213,10 @@ class Catalog:
 
     def regions(self) -> list[str]:
         return sorted({o.region for o in self.offerings})
+
+    def configs(self) -> list[str]:
+        """Node configs some offering sells, e.g. '2xL40S'."""
+        return sorted({o.config for o in self.offerings})
 
     def with_models(self, extra: list[ModelArch]) -> Catalog:
         models = dict(self.models)
@@ -186,15 +270,42 @@ def builtin_scenarios() -> list[str]:
     return sorted(p.stem for p in data_path("scenarios").iterdir() if p.suffix == ".yaml")
 
 
+SCENARIO_SUFFIXES = (".yaml", ".yml", ".json")
+
+
+def scenario_path(name_or_path: str | Path) -> Path:
+    """The file a scenario argument names. A built-in scenario's name is the built-in one, even where a file or
+    folder of that name is here (which stderr says once, with how to read the local one: `./NAME`); an argument
+    that looks like a path (a slash, or a .yaml/.yml/.json suffix) is a path."""
+    arg = str(name_or_path)
+    local = Path(arg)
+    builtins = builtin_scenarios()
+    looks_like_path = "/" in arg or os.sep in arg or arg.endswith(SCENARIO_SUFFIXES)
+    if arg in builtins and not looks_like_path:
+        if local.exists():
+            _say_builtin_shadows(arg, local.resolve())
+        return data_path("scenarios", f"{arg}.yaml")
+    if local.is_dir():
+        raise CoralInputError(f"scenario {arg!r}: {local} is a folder, not a scenario file")
+    if not local.exists():
+        if looks_like_path:
+            raise CoralInputError(f"scenario {arg!r}: no such file")
+        raise CoralInputError(f"scenario {arg!r}: no such file and not a built-in scenario"
+                              f"{did_you_mean(arg, builtins)}; built-in: {', '.join(builtins)}")
+    return local
+
+
+@cache
+def _say_builtin_shadows(name: str, local: Path) -> None:
+    """Say on stderr (once per process and local path) that the built-in scenario `name` is read, not `local`."""
+    what = "folder" if local.is_dir() else "file"
+    print(f"scenario {name}: using the built-in scenario, not the {what} ./{name} here (give ./{name} to use that)",
+          file=sys.stderr)
+
+
 def load_scenario(name_or_path: str | Path, catalog: Catalog | None = None) -> Scenario:
-    """Load a built-in scenario by name or a scenario file, and check it against the catalog."""
-    path = Path(name_or_path)
-    if not path.exists() and str(name_or_path) in builtin_scenarios():
-        path = data_path("scenarios", f"{name_or_path}.yaml")
-    elif not path.exists():
-        raise CoralInputError(
-            f"scenario {name_or_path!r}: no such file and not a built-in one ({', '.join(builtin_scenarios())})"
-        )
+    """Load a built-in scenario by name or a scenario file (see `scenario_path`), and check it against the catalog."""
+    path = scenario_path(name_or_path)
     scenario = load_file(Scenario, path)
     if scenario.offerings is not None:  # resolved against the scenario's folder, so later readers find it
         scenario = scenario.model_copy(update={"offerings": str((path.parent / scenario.offerings).resolve())})
@@ -224,7 +335,8 @@ def offerings_catalog(offerings: list[NodeOffering], source: str, base: Catalog 
     base = base or builtin_catalog()
     for i, o in enumerate(offerings):
         if o.gpu not in base.gpus:
-            raise CoralInputError(f"{source}: offerings.{i}.gpu: unknown GPU {o.gpu!r}; known: {', '.join(sorted(base.gpus))}")
+            raise CoralInputError(f"{source}: offerings.{i}.gpu: unknown GPU {o.gpu!r}{did_you_mean(o.gpu, base.gpus)}; "
+                                  f"known: {', '.join(sorted(base.gpus))}")
     return base.with_offerings(list(offerings))
 
 
@@ -232,10 +344,12 @@ def check_region_table(table: Mapping[str, Mapping[str, Any]], scenario: Scenari
     """Every region and config of a {region: {config: value}} table (at `where` of an input) in the scenario."""
     for region, cfgs in table.items():
         if region not in scenario.regions:
-            raise CoralInputError(f"{where}: region {region!r} is not in the scenario")
+            raise CoralInputError(f"{where}: region {region!r} is not in the scenario"
+                                  f"{did_you_mean(region, scenario.regions)}")
         for cfg in cfgs:
             if cfg not in scenario.configs:
-                raise CoralInputError(f"{where}.{region}: config {cfg!r} not in scenario")
+                raise CoralInputError(f"{where}.{region}: config {cfg!r} not in scenario"
+                                      f"{did_you_mean(cfg, scenario.configs)}")
 
 
 def market_catalog(scenario: Scenario, offerings: str | Path | None = None) -> Catalog:
@@ -248,14 +362,16 @@ def market_catalog(scenario: Scenario, offerings: str | Path | None = None) -> C
 def check_scenario(scenario: Scenario, catalog: Catalog, source: str) -> None:
     for i, m in enumerate(scenario.models):
         if m.model not in catalog.models:
-            raise CoralInputError(f"{source}: models.{i}.model: unknown model {m.model!r}")
+            raise CoralInputError(f"{source}: models.{i}.model: unknown model {m.model!r}"
+                                  f"{did_you_mean(m.model, catalog.models)}")
     for c in scenario.configs:
         gpu, _ = parse_config_name(c)
         if gpu not in catalog.gpus:
-            raise CoralInputError(f"{source}: configs: unknown GPU {gpu!r} in {c!r}")
+            raise CoralInputError(f"{source}: configs: unknown GPU {gpu!r} in {c!r}{did_you_mean(gpu, catalog.gpus)}")
     for r in scenario.regions:
         if not catalog.prices(r):
-            raise CoralInputError(f"{source}: regions: no offerings known for region {r!r}")
+            raise CoralInputError(f"{source}: regions: no offerings known for region {r!r}"
+                                  f"{did_you_mean(r, catalog.regions())}")
 
 
 def model_from_hf_config(name: str, config: dict[str, Any], **overrides: Any) -> ModelArch:

@@ -7,6 +7,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from coral.catalog.suggest import did_you_mean
+
 SCHEMA_VERSION = 1
 
 SAFE_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:+-]{0,127}$"
@@ -344,17 +346,20 @@ class Scenario(_Strict):
         if isinstance(self.availability, dict):
             for region, counts in self.availability.items():
                 if region not in self.regions:
-                    raise ValueError(f"availability: region {region!r} is not in regions")
+                    raise ValueError(f"availability: region {region!r} is not in regions"
+                                     f"{did_you_mean(region, self.regions)}")
                 for cfg, n in counts.items():
                     if cfg not in self.configs:
-                        raise ValueError(f"availability.{region}: config {cfg!r} is not in configs")
+                        raise ValueError(f"availability.{region}: config {cfg!r} is not in configs"
+                                         f"{did_you_mean(cfg, self.configs)}")
                     if n < 0:
                         raise ValueError(f"availability.{region}.{cfg}: count must be >= 0")
         if self.availability_schedule is not None:
             for i, step in enumerate(self.availability_schedule.steps):
                 for region, counts in step.counts.items():
                     if region not in self.regions:
-                        raise ValueError(f"availability_schedule.steps.{i}: region {region!r} is not in regions")
+                        raise ValueError(f"availability_schedule.steps.{i}: region {region!r} is not in regions"
+                                         f"{did_you_mean(region, self.regions)}")
                     bad = sorted(set(counts) - set(self.configs))
                     if bad:
                         raise ValueError(f"availability_schedule.steps.{i}.{region}: configs {bad} not in configs")

@@ -45,7 +45,9 @@ def instance_groups(plan: Plan, model: str, phase: str) -> dict[str, int]:
 
 
 def plan_table(plan: Plan) -> FoldingTable:
-    """One row per (model, phase): instances (one group a line), cost, demand, capacity, spare, served."""
+    """One row per (model, phase): instances (one group a line), cost, share served, demand, capacity, spare. A
+    template string is never broken: in a narrow terminal spare, capacity, demand and served are left out (named
+    under the table), and the instances last."""
     from rich.markup import escape
 
     from coral.report.terminal import FoldingTable
@@ -53,14 +55,14 @@ def plan_table(plan: Plan) -> FoldingTable:
     table = FoldingTable(title=f"{plan.method} plan for {plan.scenario} ({plan.mode}), ${plan.cost_per_hour:,.2f}/h")
     table.add_column("model", no_wrap=True)
     table.add_column("phase")
-    table.add_column(escape("instances (template[nodes]@region ×count)"))
-    for col in ("$/h", "demand tok/s", "capacity tok/s", "spare", "served"):
-        table.add_column(col, justify="right", optional=col == "spare")
+    table.add_column(escape("instances (template[nodes]@region ×count)"), optional=True)
+    for col in ("$/h", "served", "demand tok/s", "capacity tok/s", "spare"):
+        table.add_column(col, justify="right", optional=col != "$/h")
     for s in plan.serving:
         text = "\n".join(escape(f"{k} ×{n}") for k, n in instance_groups(plan, s.model, s.phase).items()) or "-"
         spare = (s.capacity - s.demand) / s.demand if s.demand else 0.0
-        table.add_row(s.model, s.phase, text, f"{s.cost_per_hour:,.2f}", f"{s.demand:,.0f}",
-                      f"{s.capacity:,.0f}", f"{spare:+.1%}", f"{s.served_fraction:.1%}")
+        table.add_row(s.model, s.phase, text, f"{s.cost_per_hour:,.2f}", f"{s.served_fraction:.1%}",
+                      f"{s.demand:,.0f}", f"{s.capacity:,.0f}", f"{spare:+.1%}")
     return table
 
 
@@ -136,7 +138,7 @@ def allocate_cmd(
     say.print(f"{solve_line(s)}; scale-up penalty ${plan.penalty_per_hour:,.2f}/h")
     say.print(f"in words: {solver_in_words(s, plan.mode)}")
     say.print(f"served: {served_in_words(plan)}")
-    path = plan.save(out / plan_file_name(scenario, mode, method, engine, target))
+    path = plan.save(out / allocate_file_name(scenario, mode, method, engine, target, offerings))
     total = time.perf_counter() - t0
     times = {"total": total, "scenario_and_library": t_lib - t0, "availability": t_avail - t_lib,
              "planning": total - (t_avail - t0), "solver": s.time_s}
@@ -147,6 +149,16 @@ def allocate_cmd(
     say.print(f"-> [bold]{path}[/]")
     if as_json:
         print_json(plan_summary(plan, path, times))
+
+
+def allocate_file_name(scenario: str, mode: str, method: str, engine: str, target: str | None,
+                       offerings: Path | None) -> str:
+    """The name `coral allocate` gives its plan: `plan_file_name`'s, tagged `.offerings-<file stem>` before
+    `.plan.json` when --offerings replaced the market, so that such a plan never overwrites the default one."""
+    name = plan_file_name(scenario, mode, method, engine, target)
+    if offerings is None:
+        return name
+    return f"{name.removesuffix('.plan.json')}.offerings-{offerings.stem}.plan.json"
 
 
 def plan_summary(plan: Plan, path: Path, times: dict[str, float]) -> dict[str, Any]:

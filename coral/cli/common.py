@@ -5,12 +5,14 @@ the simulator, the runtime) is imported inside the command that needs it, so tha
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
 import os
+import shutil
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -25,7 +27,7 @@ from coral.catalog.loader import CoralInputError
 PIPE_WIDTH = 160
 
 
-def _width() -> int | None:
+def console_width() -> int | None:
     """None (rich's own choice: COLUMNS, else the terminal's width) when either is there, else PIPE_WIDTH."""
     if os.environ.get("COLUMNS"):
         return None
@@ -38,8 +40,8 @@ def _width() -> int | None:
     return PIPE_WIDTH
 
 
-console = Console(width=_width())
-err_console = Console(stderr=True, width=_width())
+console = Console(width=console_width())
+err_console = Console(stderr=True, width=console_width())
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -114,3 +116,44 @@ def check_out_file(path: Path, flag: str = "--out") -> None:
 
 def library_path(scenario: str, out: Path = DEFAULT_OUT) -> Path:
     return out / f"{Path(scenario).stem}.templates.sqlite"
+
+
+def current_plan_path(scenario: str, out: Path = DEFAULT_OUT) -> Path:
+    """The scenario's current plan: the one `coral run` chose last (the plan to rent), which `serve`, `deploy`,
+    `plan bom` and `report` take when no plan is given."""
+    return out / f"{Path(scenario).stem}.current.plan.json"
+
+
+def plan_or_current(plan: Path | None, scenario: str, flag: str = "--plan", out: Path = DEFAULT_OUT) -> Path:
+    """`plan` when given, else the scenario's current plan, saying on stderr which file is used; CoralInputError
+    naming `flag` and what to run when there is none."""
+    if plan is not None:
+        return plan
+    path = current_plan_path(scenario, out)
+    if not path.is_file():
+        give = f"{flag} PLAN.json" if flag.startswith("-") else f"a plan file as {flag}"
+        raise CoralInputError(f"{flag}: not given, and {scenario} has no current plan ({path}, written by "
+                              f"`coral run {scenario}`): run it, or give {give}")
+    err_console.print(f"plan: {escape(str(path))} (the current plan of {escape(scenario)}, chosen by the last "
+                      f"`coral run {escape(scenario)}`)")
+    return path
+
+
+@contextlib.contextmanager
+def staged_folder(folder: Path) -> Iterator[Path]:
+    """A folder beside `folder` for a command's outputs, moved into place as `folder` when the block ends without
+    error; on an error or interrupt it is removed and the previous `folder` is left as it was."""
+    work = folder.with_name(f".{folder.name}.partial-{os.getpid()}")
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    try:
+        yield work
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)
+        raise
+    old = folder.with_name(f".{folder.name}.old-{os.getpid()}")
+    if folder.exists():
+        folder.rename(old)
+    work.rename(folder)
+    shutil.rmtree(old, ignore_errors=True)
+

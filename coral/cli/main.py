@@ -5,7 +5,10 @@ The sub-modules import the stage packages inside their commands (coral.cli.commo
 
 from __future__ import annotations
 
+from typing import Any
+
 import typer
+from typer.core import TyperGroup, TyperOption
 
 from coral import __version__
 from coral.cli import allocate, deploy, models, perf, plan, report, run, runtime, simulate, templates
@@ -17,8 +20,28 @@ def _print_version(value: bool) -> None:
         raise typer.Exit()
 
 
+def hide_flag_types(command: Any, ctx: Any) -> None:
+    """Blank the type of every flag of `command` and of its subcommands, their `--help` included: typer's rich help
+    otherwise prints `<bool>` beside an option that takes no value."""
+    for param in [*command.params, command.get_help_option(ctx)]:
+        if isinstance(param, TyperOption) and param.is_flag:
+            param.metavar = ""
+    for sub in getattr(command, "commands", {}).values():
+        hide_flag_types(sub, ctx)
+
+
+class CoralGroup(TyperGroup):
+    """The root command: before it parses the command line (and so before any `--help` is shown), its flags and
+    every subcommand's have their `<bool>` type blanked (`hide_flag_types`)."""
+
+    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
+        hide_flag_types(self, ctx)
+        return super().parse_args(ctx, args)
+
+
 app = typer.Typer(
     name="coral",
+    cls=CoralGroup,
     help="Cost-efficient multi-LLM serving over heterogeneous cloud GPUs.",
     no_args_is_help=True,
     add_completion=False,

@@ -150,7 +150,10 @@ def profile_cmd(
     from coral.perf.profiler import ProfileSpec, profile, subprocess_launcher
 
     check_out_folder(out)
-    _, gpus = parse_config_name(config)
+    try:
+        _, gpus = parse_config_name(config)
+    except ValueError as exc:
+        raise CoralInputError(f"--config: {exc}") from None
     if model_id is None:
         if model is None:
             raise CoralInputError("--model or --model-id: say which model to profile")

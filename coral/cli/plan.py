@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import typer
 
-from coral.cli.common import check_out_file, console, err_console, friendly_errors
+from coral.cli.common import check_out_file, console, err_console, friendly_errors, plan_or_current
 
 if TYPE_CHECKING:
     from coral.deploy.bom import BillOfMaterials
@@ -29,38 +29,44 @@ def register(app: typer.Typer) -> None:
 
 
 def bom_table(bom: BillOfMaterials) -> FoldingTable:
-    """The bill as a rich table with the total in its footer (the plan's names shown as text, never as markup)."""
+    """The bill as a rich table with the total in its footer (the plan's names shown as text, never as markup);
+    prices to the cent. A narrow terminal leaves out the plan instances each row serves, then the cloud (regions
+    name it)."""
     from rich.markup import escape
 
-    from coral.report.terminal import FoldingTable
+    from coral.report.terminal import FoldingTable, money
 
     table = FoldingTable(title=escape(f"What to rent: {bom.scenario} · {bom.method} (prices: {bom.offerings})"),
                          show_footer=True)
-    for col, footer in (("cloud", "total"), ("region", ""), ("instance type", ""), ("GPU × per node", "")):
-        table.add_column(col, footer=footer)
+    for col, footer in (("cloud", ""), ("region", "total"), ("instance type", ""), ("GPU × per node", "")):
+        table.add_column(col, footer=footer, no_wrap=col != "GPU × per node", optional=col == "cloud")
     table.add_column("count", justify="right", footer=str(sum(r.count for r in bom.rows)))
     table.add_column("$/h each", justify="right")
-    table.add_column("$/h total", justify="right", footer=f"${bom.total_per_hour:,.2f}")
-    table.add_column("plan instances")
+    table.add_column("$/h total", justify="right", footer=money(bom.total_per_hour))
+    table.add_column("plan instances", optional=True)
     verdict = "equals" if bom.matches_plan else "differs from"
-    table.caption = f"the total {verdict} the plan's ${bom.plan_cost_per_hour:,.2f}/h"
+    table.caption = f"the total {verdict} the plan's {money(bom.plan_cost_per_hour)}/h"
     for r in bom.rows:
-        table.add_row(r.cloud, r.region, r.instance_type, f"{r.gpu} × {r.gpus_per_node}", str(r.count),
-                      f"${r.price_per_hour:,.4g}", f"${r.total_per_hour:,.2f}", "\n".join(r.instances))
+        table.add_row(*(escape(v) for v in (r.cloud, r.region, r.instance_type)),
+                      f"{escape(r.gpu)} × {r.gpus_per_node}", str(r.count), money(r.price_per_hour),
+                      money(r.total_per_hour), escape(", ".join(r.instances)))
     return table
 
 
 @plan_app.command("bom")
 @friendly_errors
 def bom_cmd(
-    plan: Path = typer.Argument(..., help="plan JSON (from `coral allocate`)"),
+    plan: Path | None = typer.Argument(
+        None, help="plan JSON (from `coral allocate` or `coral run`; default: --scenario's current plan, the one "
+        "`coral run` chose last)"),
     offerings: Path | None = typer.Option(
         None, "--offerings", help="offerings file to price at (default: --scenario's, else the plan's scenario's when "
         "it is a built-in one, else the shipped one)"
     ),
     scenario: str | None = typer.Option(
         None, "--scenario", help="built-in scenario name or scenario file whose offerings to price at (a plan's own "
-        "scenario is looked up among the built-in ones only)"),
+        "scenario is looked up among the built-in ones only), and whose current plan to take without PLAN "
+        "(default: core)"),
     fmt: BomFormat = typer.Option(BomFormat.table, "--format", help="table | csv | json"),
     out: Path | None = typer.Option(None, "--out", "-o", help="write the bill here instead of printing it"),
 ) -> None:
@@ -69,10 +75,11 @@ def bom_cmd(
 
     from coral.allocation.plan import Plan
     from coral.deploy.bom import bill_of_materials, plan_market
+    from coral.report.terminal import money
 
     if out is not None:
         check_out_file(out)
-    the_plan = Plan.load(plan)
+    the_plan = Plan.load(plan_or_current(plan, scenario or "core", flag="PLAN"))
     catalog, source = plan_market(the_plan, offerings, scenario)
     bom = bill_of_materials(the_plan, catalog, source)
     if fmt is BomFormat.table:
@@ -91,6 +98,6 @@ def bom_cmd(
             out.write_text(text)
     if out is not None:
         console.print(f"[green]wrote[/] {out}: {sum(r.count for r in bom.rows)} instance(s), "
-                      f"${bom.total_per_hour:,.2f}/h")
+                      f"{money(bom.total_per_hour)}/h")
     for note in bom.notes:
         err_console.print(f"[yellow]warning:[/] {note}")

@@ -5,13 +5,19 @@ from __future__ import annotations
 from pathlib import Path
 
 import typer
+from rich.markup import escape
 
-from coral.cli.common import DEFAULT_OUT, check_out_file, console, friendly_errors
+from coral.catalog.loader import scenario_and_market
+from coral.cli.common import DEFAULT_OUT, check_out_file, console, friendly_errors, plan_or_current
 
 
 @friendly_errors
 def report(
-    plan: Path | None = typer.Option(None, "--plan", help="Plan JSON (from `coral allocate`)."),
+    plan: Path | None = typer.Option(None, "--plan", help="Plan JSON (from `coral allocate` or `coral run`; "
+                                     "default: --scenario's current plan, the one `coral run` chose)."),
+    scenario: str | None = typer.Option(None, "--scenario", help="built-in scenario name or scenario YAML: whose "
+                                        "current plan to report without --plan (default core), and the market and "
+                                        "demand to show the plan in (default: the plan's own built-in scenario)"),
     baseline: list[Path] = typer.Option(
         [], "--baseline", help="Baseline Plan JSON (homo, cauchy, ...); repeatable."
     ),
@@ -44,10 +50,8 @@ def report(
         from coral.report.examples import example_baseline, example_inputs, example_plan
 
         the_plan, baselines, inputs = example_plan(), [example_baseline()], example_inputs()
-    elif plan is None:
-        raise typer.BadParameter("give --plan PLAN.json (or --example)", param_hint="--plan")
     else:
-        the_plan = Plan.load(plan)
+        the_plan = Plan.load(plan_or_current(plan, scenario or "core"))
         baselines = [Plan.load(p) for p in baseline]
         inputs = load_inputs(sim) if sim else ReportInputs()
         for path in experiment:
@@ -59,8 +63,12 @@ def report(
         if baselines:
             print_comparison(the_plan, baselines, console)
         print_inputs(inputs, the_plan.method, console)
+    sc, cat = (None, None) if example or scenario is None else scenario_and_market(scenario, None)
+    if sc is not None and the_plan.scenario != sc.name:
+        console.print(f"[yellow]warning:[/] the plan was made for {escape(the_plan.scenario)}, shown in "
+                      f"{escape(sc.name)}'s market and demand (--scenario)")
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(build_report(the_plan, baselines=baselines, sim=inputs))
+    out.write_text(build_report(the_plan, baselines=baselines, sim=inputs, catalog=cat, scenario=sc))
     console.print(f"[green]wrote[/] {out}")
     if screenshot is not None:
         run_chromium(out.resolve().as_uri(), screenshot=screenshot)

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.status import Status
 
 from coral.catalog.loader import CoralInputError, scenario_and_market
@@ -18,11 +20,14 @@ from coral.cli.common import (
     ENGINE_HELP,
     JSON_HELP,
     OFFERINGS_HELP,
+    F,
     check_out_folder,
+    current_plan_path,
     err_console,
     friendly_errors,
     out_console,
     print_json,
+    staged_folder,
 )
 from coral.cli.deploy import TARGET_HELP
 
@@ -40,6 +45,25 @@ def register(app: typer.Typer) -> None:
     app.command("run")(run_cmd)
 
 
+def kept_on_interrupt(fn: F) -> F:
+    """`coral run` stopped by Ctrl-C says that the previous run's outputs are unchanged (they are: the new ones
+    are written aside and moved into place only when complete) and exits 130."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except KeyboardInterrupt:
+            out, scenario = Path(kwargs.get("out", DEFAULT_OUT)), str(kwargs.get("scenario", "core"))
+            err_console.print(f"[yellow]interrupted:[/] nothing of this run was kept; {out / f'run-{Path(scenario).stem}'}"
+                              f" and the current plan ({current_plan_path(scenario, out)}) are the previous run's, "
+                              "unchanged")
+            raise typer.Exit(code=130) from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+@kept_on_interrupt
 @friendly_errors
 def run_cmd(
     scenario: str = typer.Argument("core", help="built-in scenario name or scenario YAML"),
@@ -92,7 +116,6 @@ def run_cmd(
     console = out_console(as_json)
     sc, cat = scenario_and_market(scenario, offerings)
     folder = out / f"run-{sc.name}"
-    folder.mkdir(parents=True, exist_ok=True)
     for note in stand_in_notes(sc):
         console.print(f"[yellow]note:[/] {note}")
     engine = "vllm" if target else engine  # every deploy target launches stock vLLM
@@ -151,71 +174,78 @@ def run_cmd(
     t_search = time.perf_counter()
     print_plan(plan, console)
     print_comparison(plan, others, console)
-    for p in plans.values():
-        p.save(folder / f"plan.{p.mode}.{p.method}.json")
+    with staged_folder(folder) as work:  # moved into place as `folder` only when complete
+        for p in plans.values():
+            p.save(work / f"plan.{p.mode}.{p.method}.json")
 
-    seed = plan.slo.held_out_seeds[0] if plan.slo.held_out_seeds else settings.tune_seeds[0]
-    requests = workload_for(sc, duration_s, seed, part="held_out" if plan.slo.held_out_seeds else "tune")
-    replanner = allocator_replanner(lib, sc, catalog=cat, headroom=room, initial=plan, forecaster=DemandForecaster(60.0),
-                                    correction=LatencyCorrection.for_scenario(sc), ahead_s=STARTUP_DELAY_S,
-                                    hold=0.25)
-    with console.status(f"simulating {duration_s:.0f} s of held-out traffic with re-planning every "
-                        f"{sc.epoch_minutes:g} min (demand forecast and latency correction)"):
-        sim = simulate(replanner, sc, requests, duration_s=duration_s, seed=seed, startup_delay_s=STARTUP_DELAY_S,
-                       catalog=cat)
-    sim.plan_fingerprint = plan_fingerprint(plan)  # the run starts from this plan, then re-plans
-    sim.save_json(folder / "sim.json")
-    fixed = []
-    for i, p in enumerate(plans.values(), 1):
-        with console.status(f"simulating the {p.method} plan held fixed ({i} of {len(plans)}) on the same "
-                            f"{sum(len(r) for r in requests.values()):,} requests"):
-            run = simulate(p, sc, requests, duration_s=duration_s, seed=seed, catalog=cat)
-        run.plan_fingerprint = plan_fingerprint(p)
-        run.save_json(folder / f"sim.fixed.{p.method}.json")
-        fixed.append(method_result(run, p.method, "plan held fixed"))
-    inputs = inputs_from_sim(sim, sc, plan.method)
-    inputs.methods = [method_result(sim, plan.method, f"re-planned every {sc.epoch_minutes:g} min, forecast"), *fixed]
-    t_sim = time.perf_counter()
-    with console.status("writing plots and the HTML report"):
-        sim.plots(folder)
-        (folder / "report-inputs.json").write_text(inputs.model_dump_json(indent=1))
-        report = folder / "report.html"
-        report.write_text(build_report(plan, baselines=others, sim=inputs))
-    t_report = time.perf_counter()
+        seed = plan.slo.held_out_seeds[0] if plan.slo.held_out_seeds else settings.tune_seeds[0]
+        requests = workload_for(sc, duration_s, seed, part="held_out" if plan.slo.held_out_seeds else "tune")
+        replanner = allocator_replanner(lib, sc, catalog=cat, headroom=room, initial=plan, forecaster=DemandForecaster(60.0),
+                                        correction=LatencyCorrection.for_scenario(sc), ahead_s=STARTUP_DELAY_S,
+                                        hold=0.25)
+        with console.status(f"simulating {duration_s:.0f} s of held-out traffic with re-planning every "
+                            f"{sc.epoch_minutes:g} min (demand forecast and latency correction)"):
+            sim = simulate(replanner, sc, requests, duration_s=duration_s, seed=seed, startup_delay_s=STARTUP_DELAY_S,
+                           catalog=cat)
+        sim.plan_fingerprint = plan_fingerprint(plan)  # the run starts from this plan, then re-plans
+        sim.save_json(work / "sim.json")
+        fixed = []
+        for i, p in enumerate(plans.values(), 1):
+            with console.status(f"simulating the {p.method} plan held fixed ({i} of {len(plans)}) on the same "
+                                f"{sum(len(r) for r in requests.values()):,} requests"):
+                run = simulate(p, sc, requests, duration_s=duration_s, seed=seed, catalog=cat)
+            run.plan_fingerprint = plan_fingerprint(p)
+            run.save_json(work / f"sim.fixed.{p.method}.json")
+            fixed.append(method_result(run, p.method, "plan held fixed"))
+        inputs = inputs_from_sim(sim, sc, plan.method)
+        inputs.methods = [method_result(sim, plan.method, f"re-planned every {sc.epoch_minutes:g} min, forecast"), *fixed]
+        inputs.run = (f"Coral's plan re-planned every {sc.epoch_minutes:g} min on forecast demand, "
+                      f"${sim.mean_cost_per_hour:,.2f}/h mean (simulated on held-out set {seed}; the plan itself is "
+                      f"${plan.cost_per_hour:,.2f}/h, its verdict above)")
+        t_sim = time.perf_counter()
+        with console.status("writing plots and the HTML report"):
+            sim.plots(work)
+            (work / "report-inputs.json").write_text(inputs.model_dump_json(indent=1))
+            (work / "report.html").write_text(build_report(plan, baselines=others, sim=inputs))
+        t_report = time.perf_counter()
 
-    attainment = FoldingTable(title=f"SLO attainment on held-out requests (seed {seed}, {duration_s:.0f} s)")
-    for col in ("method", "run", *(m.model for m in sim.models), "all", "cost $/h"):
-        attainment.add_column(col, justify="left" if col in ("method", "run") else "right", no_wrap=col == "method")
-    for r in inputs.methods:
-        attainment.add_row(r.method, r.how, *(f"{r.by_model.get(m.model, 0.0):.1%}" for m in sim.models),
-                           f"{r.slo_attainment:.1%}", f"{r.cost_per_hour:,.2f}")
-    console.print(attainment)
-    verdicts = FoldingTable(title=f"Verdict per model: Coral's plan, ${plan.cost_per_hour:,.2f}/h")
-    for col in ("model", "target", "tuned (cautious)", "held-out", "worst held-out set", "verdict"):
-        verdicts.add_column(col, justify="left" if col in ("model", "verdict") else "right", no_wrap=col == "model",
-                            optional=col in ("tuned (cautious)", "worst held-out set"))
-    for m, goal in plan.slo.target.items():
-        verdicts.add_row(m, f"{goal:.1%}", f"{plan.slo.tuned.get(m, 0.0):.1%}",
-                         f"{plan.slo.held_out.get(m, 0.0):.1%}", f"{plan.slo.held_out_worst.get(m, 0.0):.1%}",
-                         "pass" if plan.slo.passed(m) else plan.slo.verdict.get(m, ""))
-    console.print(verdicts)
-    summary = {
-        "scenario": sc.name,
-        "planned_cost_per_hour": {p.method: round(p.cost_per_hour, 4) for p in plans.values()},
-        "slo": {p.method: p.slo.model_dump() if p.slo else None for p in plans.values()},
-        "headroom": {f"{m}/{ph.value}": round(v, 4) for (m, ph), v in room.items()},
-        "solve_seconds": plan.solve.time_s,
-        "simulated_cost_per_hour": sim.mean_cost_per_hour,
-        "slo_attainment": sim.slo_attainment,
-        "goodput_tokens_s": sim.goodput_tokens_s,
-        "fixed_plan_slo_attainment": {r.method: r.slo_attainment for r in fixed},
-        "fixed_plan_cost_per_hour": {r.method: r.cost_per_hour for r in fixed},
-        "wall_s": time.perf_counter() - t_start,
-        "missed": misses,  # Coral's plan: why it is not one that met every target (empty: it met them all)
-        "safety_net": nets,  # per method whose search (or a solve in it) a wall-clock safety net stopped
-        "rounds": {name: len(r.rounds) for name, r in results.items()},
-    }
-    (folder / "summary.json").write_text(json.dumps(summary, indent=2))
+        attainment = FoldingTable(title=f"SLO attainment on held-out requests (seed {seed}, {duration_s:.0f} s)")
+        for col in ("method", "run", *(m.model for m in sim.models), "all", "cost $/h"):
+            attainment.add_column(col, justify="left" if col in ("method", "run") else "right", no_wrap=col == "method")
+        for r in inputs.methods:
+            attainment.add_row(r.method, r.how, *(f"{r.by_model.get(m.model, 0.0):.1%}" for m in sim.models),
+                               f"{r.slo_attainment:.1%}", f"{r.cost_per_hour:,.2f}")
+        console.print(attainment)
+        verdicts = FoldingTable(title=f"Verdict per model: Coral's plan, ${plan.cost_per_hour:,.2f}/h")
+        for col in ("model", "target", "tuned (cautious)", "held-out", "worst held-out set", "verdict"):
+            verdicts.add_column(col, justify="left" if col in ("model", "verdict") else "right", no_wrap=col == "model",
+                                optional=col in ("tuned (cautious)", "worst held-out set"))
+        for m, goal in plan.slo.target.items():
+            verdicts.add_row(m, f"{goal:.1%}", f"{plan.slo.tuned.get(m, 0.0):.1%}",
+                             f"{plan.slo.held_out.get(m, 0.0):.1%}", f"{plan.slo.held_out_worst.get(m, 0.0):.1%}",
+                             "pass" if plan.slo.passed(m) else plan.slo.verdict.get(m, ""))
+        console.print(verdicts)
+        summary = {
+            "scenario": sc.name,
+            "planned_cost_per_hour": {p.method: round(p.cost_per_hour, 4) for p in plans.values()},
+            "slo": {p.method: p.slo.model_dump() if p.slo else None for p in plans.values()},
+            "headroom": {f"{m}/{ph.value}": round(v, 4) for (m, ph), v in room.items()},
+            "solve_seconds": plan.solve.time_s,
+            "simulated_cost_per_hour": sim.mean_cost_per_hour,
+            "slo_attainment": sim.slo_attainment,
+            "goodput_tokens_s": sim.goodput_tokens_s,
+            "fixed_plan_slo_attainment": {r.method: r.slo_attainment for r in fixed},
+            "fixed_plan_cost_per_hour": {r.method: r.cost_per_hour for r in fixed},
+            "wall_s": time.perf_counter() - t_start,
+            "missed": misses,  # Coral's plan: why it is not one that met every target (empty: it met them all)
+            "safety_net": nets,  # per method whose search (or a solve in it) a wall-clock safety net stopped
+            "rounds": {name: len(r.rounds) for name, r in results.items()},
+        }
+        (work / "summary.json").write_text(json.dumps(summary, indent=2))
+    report = folder / "report.html"
+    current = current_plan_path(scenario, out)
+    if not misses or allow_miss:  # the plan to rent: what serve, deploy, plan bom and report take by default
+        plan.save(current)
     met = all(plan.slo.passed(m) for m in plan.slo.target)
     console.print(("[green]every model meets its SLO target[/]" if met else
                    "[red]not every model meets its SLO target (see the verdicts)[/]") +
@@ -226,8 +256,13 @@ def run_cmd(
                   f"{t_sim - t_search:.1f} s, plots and report {t_report - t_sim:.1f} s)")
     console.print(f"wrote [bold]{report}[/] and plans, sim*.json, report-inputs.json, plots, summary.json in "
                   f"{folder}")
+    console.print(f"current plan of {escape(scenario)}: [bold]{current}[/] (`coral serve`, `deploy`, `plan bom` and "
+                  f"`report` take it)" if not misses or allow_miss else
+                  f"[yellow]not recorded as the current plan of {escape(scenario)}[/] (it missed a target; "
+                  f"--allow-miss records it): {current} is unchanged")
     if as_json:
-        print_json({**summary, "folder": str(folder), "report": str(report)})
+        print_json({**summary, "folder": str(folder), "report": str(report),
+                    "current_plan": str(current) if not misses or allow_miss else None})
     if misses:
         err_console.print(f"[bold red]Coral's plan missed a target[/] ({len(misses)}: see above and summary.json)"
                           + ("; --allow-miss: exit 0" if allow_miss else f"; exit {MISSED_EXIT_CODE} (--allow-miss "

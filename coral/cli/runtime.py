@@ -9,10 +9,20 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import typer
+from rich.markup import escape
 from rich.table import Column, Table
 
 from coral.catalog.loader import CoralInputError, load_scenario
-from coral.cli.common import DEFAULT_OUT, JSON_HELP, console, friendly_errors, library_path, print_json
+from coral.cli.common import (
+    DEFAULT_OUT,
+    JSON_HELP,
+    console,
+    current_plan_path,
+    err_console,
+    friendly_errors,
+    library_path,
+    print_json,
+)
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -90,6 +100,7 @@ def allocator_planner(
     observe: Callable[[], ObservedDemand] | None = None,
     interval_s: float = 60.0,
     market: MarketWatcher | None = None,
+    initial: Plan | None = None,
 ) -> Callable[[], Plan]:
     """Planner running the allocator on the scenario's template library (built by `coral templates build`),
     warm from the `running` plan so unchanged instances are kept. Without `observe` it plans the scenario's
@@ -97,8 +108,10 @@ def allocator_planner(
     each call re-plans for the forecast of the coming interval's traffic × the scenario's headroom × the
     latency correction (`coral.allocation.forecast`), holding (model, phase)s already within 25 % above it and
     keeping at least one instance of each, idle or not (`coral.simulation.replan.allocator_replanner`, the
-    re-planner the simulator measures). With `market`, every plan is made in the market it last published
-    (offerings, prices and availability: `coral.runtime.market`)."""
+    re-planner the simulator measures). With `initial` (the scenario's current plan, SLO-true: `coral run`) the
+    first call serves it, and re-plans keep its headroom per (model, phase) as a floor: never less capacity than
+    that headroom × the traffic observed (the forecast is raised to the observed mean). With `market`, every plan
+    is made in the market it last published (offerings, prices and availability: `coral.runtime.market`)."""
     from coral.templates.library import TemplateLibrary
 
     try:
@@ -121,12 +134,44 @@ def allocator_planner(
                             catalog=market.catalog() if market is not None else None)
 
         return once
-    replan = allocator_replanner(library, scenario, forecaster=DemandForecaster(interval_s),
-                                 correction=LatencyCorrection.for_scenario(scenario), hold=0.25, floor_tokens_s=1.0)
+    replan = allocator_replanner(library, scenario, forecaster=DemandForecaster(interval_s), initial=initial,
+                                 correction=LatencyCorrection.for_scenario(scenario), hold=0.25, floor_tokens_s=1.0,
+                                 at_least_observed=initial is not None)
 
     def plan() -> Plan:
         observed = observe() if market is None else market.apply(observe())
         return replan(observed.epoch, observed, running())
+
+    return plan
+
+
+def replan_words(old: Plan | None, new: Plan) -> str | None:
+    """One line saying what a re-plan changed and why (the capacity each changed (model, phase) asks for now);
+    None when `new` is `old` again (the same instances)."""
+    from coral.report.view import plan_fingerprint
+
+    if old is not None and plan_fingerprint(old) == plan_fingerprint(new):
+        return None
+    if old is None:
+        return (f"plan: ${new.cost_per_hour:,.2f}/h, {len(new.instances)} instances ({new.method}, "
+                f"{new.scenario})")
+    before = {(s.model, s.phase): s.capacity for s in old.serving}
+    why = [f"{s.model}/{s.phase} asks {s.demand:,.0f} tok/s (capacity {before.get((s.model, s.phase), 0.0):,.0f} -> "
+           f"{s.capacity:,.0f})" for s in new.serving
+           if abs(s.capacity - before.get((s.model, s.phase), 0.0)) > 1e-6 * max(1.0, s.capacity)]
+    return (f"re-plan: ${old.cost_per_hour:,.2f}/h -> ${new.cost_per_hour:,.2f}/h, {len(old.instances)} -> "
+            f"{len(new.instances)} instances: " + ("; ".join(why) or "same capacity, other instances"))
+
+
+def logged_planner(planner: Callable[[], Plan], running: Callable[[], Plan | None],
+                   say: Callable[[str], None]) -> Callable[[], Plan]:
+    """`planner` that says (`replan_words`) every plan that differs from the running one."""
+    def plan() -> Plan:
+        new = planner()
+        line = replan_words(running(), new)
+        if line is not None:
+            say(line)
+        return new
 
     return plan
 
@@ -200,7 +245,9 @@ def register(app: typer.Typer) -> None:
             "engine, one process per node on this machine)",
         ),
         plan: Path | None = typer.Option(
-            None, help="serve this plan (re-read every interval) instead of allocating"
+            None, help="serve this plan (re-read every interval) instead of re-planning (default: start from the "
+            "scenario's current plan, the one `coral run` chose, and re-plan every --interval on the traffic "
+            "observed, never below that plan's SLO-true headroom; with none, plan with the allocator)"
         ),
         host: str = typer.Option("127.0.0.1"),
         port: int = typer.Option(8080),
@@ -296,8 +343,18 @@ def register(app: typer.Typer) -> None:
 
             watcher = MarketWatcher(market, slos, market_catalog(slos), poll_s=market_poll)
         if plan is None:
+            current = current_plan_path(scenario)
+            initial = Plan.load(current) if current.is_file() else None
+            if initial is not None:
+                err_console.print(f"plan: {escape(str(current))}, the current plan of {escape(scenario)} (chosen by "
+                                  f"`coral run`), ${initial.cost_per_hour:,.2f}/h; re-planned every {interval:g} s "
+                                  f"on the traffic observed, never below its headroom")
+            else:
+                err_console.print(f"plan: {escape(scenario)} has no current plan ({escape(str(current))}; `coral "
+                                  f"run {escape(scenario)}` writes it): planning with the allocator")
             planner = allocator_planner(scenario, store.plan, observe=meter.observe, interval_s=interval,
-                                        market=watcher)
+                                        market=watcher, initial=initial)
+        planner = logged_planner(planner, store.plan, lambda line: err_console.print(escape(line)))
         admin = load_secrets(ADMIN_TOKEN_ENV, admin_token_file)
         if len(admin) > 1:
             raise CoralInputError(f"{admin_token_file or ADMIN_TOKEN_ENV}: holds more than one admin token")

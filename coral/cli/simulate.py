@@ -68,21 +68,51 @@ def trace_file(value: str, given: str) -> Path:
         raise CoralInputError(f"--trace {given}: no file {value!r}, and {exc} (or give a trace CSV)") from None
 
 
-def results_table(result: SimResult) -> FoldingTable:
+def passes(result: SimResult, targets: Mapping[str, float]) -> dict[str, bool]:
+    """{model: whether its simulated SLO attainment meets its target} for the models `targets` names (the
+    scenario's `slo_attainment` per model)."""
+    return {m.model: m.slo_attainment >= targets[m.model] for m in result.models if m.model in targets}
+
+
+def results_table(result: SimResult, targets: Mapping[str, float]) -> FoldingTable:
+    """Per model (and overall) latency, SLO attainment against its target with pass/fail, goodput, utilisation."""
     from coral.report.terminal import FoldingTable
 
     table = FoldingTable(title=f"Simulation of {result.scenario} ({result.router} router, {result.duration_s:g} s)")
-    for col in ("model", "requests", "TTFT p50/p99 ms", "TPOT p50/p99 ms", "SLO att.", "goodput tok/s",
-                "util P/D", "batch fill"):
-        table.add_column(col, justify="left" if col == "model" else "right", no_wrap=col == "model",
+    for col in ("model", "requests", "TTFT p50/p99 ms", "TPOT p50/p99 ms", "SLO att.", "target", "verdict",
+                "goodput tok/s", "util P/D", "batch fill"):
+        table.add_column(col, justify="left" if col in ("model", "verdict") else "right", no_wrap=col == "model",
                          optional=col in ("util P/D", "batch fill"))
+    passed = passes(result, targets)
     for m in [*result.models, result.overall]:
+        if m is result.overall:
+            failed = sum(not ok for ok in passed.values())
+            target, verdict = "", f"[red]{failed} fail[/]" if failed else "[green]all pass[/]"
+        elif m.model in passed:
+            target = f"{targets[m.model]:.1%}"
+            verdict = "[green]pass[/]" if passed[m.model] else "[red]fail[/]"
+        else:
+            target, verdict = "-", "-"
         table.add_row(
             m.model, f"{m.finished}/{m.requests}", f"{m.ttft_ms.p50:.0f} / {m.ttft_ms.p99:.0f}",
-            f"{m.tpot_ms.p50:.1f} / {m.tpot_ms.p99:.1f}", f"{m.slo_attainment:.1%}", f"{m.goodput_tokens_s:,.0f}",
-            f"{m.prefill_gpu_util:.0%} / {m.decode_gpu_util:.0%}", f"{m.decode_batch_fill:.0%}",
+            f"{m.tpot_ms.p50:.1f} / {m.tpot_ms.p99:.1f}", f"{m.slo_attainment:.1%}", target, verdict,
+            f"{m.goodput_tokens_s:,.0f}", f"{m.prefill_gpu_util:.0%} / {m.decode_gpu_util:.0%}",
+            f"{m.decode_batch_fill:.0%}",
         )
     return table
+
+
+def sim_folder(out: Path, scenario: str, router: str, plan: Path | None = None, fingerprint: str = "",
+               greedy: bool = False) -> Path:
+    """Where one run's results go, named after what was simulated so that another plan never overwrites them:
+    out/sim/<scenario>-<router> (the allocator every epoch), <scenario>-greedy-<router> (the greedy stand-in),
+    <scenario>-<plan file's stem>-<plan fingerprint, 8 digits>-<router> (a plan)."""
+    name = Path(scenario).stem
+    if plan is not None:
+        name += f"-{plan.name.removesuffix('.json').removesuffix('.plan')}-{fingerprint[:8]}"
+    elif greedy:
+        name += "-greedy"
+    return out / "sim" / f"{name}-{router}"
 
 
 @friendly_errors
@@ -111,7 +141,8 @@ def simulate_cmd(
     oracle: bool = typer.Option(False, help="allocator sees the coming epoch's demand, not the previous one's"),
     requests_csv: bool = typer.Option(False, help="also write requests.csv (one row per request)"),
     kv_reserve: str = typer.Option("mean", help="KV charged per decoding request: mean (prompt + output/2) or max"),
-    out: Path = typer.Option(DEFAULT_OUT, help="output folder (library looked up here; results in out/sim/...)"),
+    out: Path = typer.Option(DEFAULT_OUT, help="output folder (library looked up here; results in "
+                             "OUT/sim/SCENARIO[-PLAN-FINGERPRINT | -greedy]-ROUTER, one folder per plan)"),
     offerings: Path | None = typer.Option(None, help=OFFERINGS_HELP),
     as_json: bool = typer.Option(False, "--json", help=JSON_HELP),
 ) -> None:
@@ -136,6 +167,7 @@ def simulate_cmd(
     sc, cat = scenario_and_market(scenario, offerings)
     duration_s = duration or sc.epochs * sc.epoch_minutes * 60.0
     names = [m.model for m in sc.models]
+    targets = {m.model: m.slo_attainment for m in sc.models}
     files = parse_traces(trace, names)
     requests = workload_for(sc, duration_s, seed, files, rate_scale=rate_scale,
                             scaling=trace_scaling or None)  # type: ignore[arg-type]  # checked there
@@ -170,13 +202,14 @@ def simulate_cmd(
         why = unfinished_reasons(result, sc, fixed_plan, requests, duration_s) if fixed_plan is not None else []
         if fixed_plan is not None:
             result.plan_fingerprint = plan_fingerprint(fixed_plan)
-        path = report(result, out / "sim" / f"{Path(scenario).stem}-{r}", requests_csv, say, why)
+        folder = sim_folder(out, scenario, r, plan, result.plan_fingerprint, greedy)
+        path = report(result, folder, requests_csv, say, why, targets)
         runs.append((result, path, why))
     if len(runs) > 1:
         say.print(compare_table([r for r, _, _ in runs]))
     if as_json:
         print_json({"scenario": sc.name, "plan": str(plan) if plan else None, "trace_warnings": warnings,
-                    "runs": [sim_summary(r, path, why) for r, path, why in runs]})
+                    "runs": [sim_summary(r, path, why, targets) for r, path, why in runs]})
 
 
 def trace_warnings(scenario: Scenario, plan: Plan, requests: Mapping[str, RequestSet], duration_s: float) -> list[str]:
@@ -248,14 +281,16 @@ def unfinished_reasons(result: SimResult, scenario: Scenario, plan: Plan, reques
     return lines
 
 
-def report(result: SimResult, folder: Path, requests_csv: bool, say: Console, why: list[str]) -> Path:
-    """Save JSON and plots (and the per-request CSV) of one run, print its summary (`why`: the reasons requests
-    did not finish, when known) and return the JSON's path."""
+def report(result: SimResult, folder: Path, requests_csv: bool, say: Console, why: list[str],
+           targets: Mapping[str, float]) -> Path:
+    """Save JSON and plots (and the per-request CSV) of one run in `folder`, print its summary (`why`: the reasons
+    requests did not finish, when known; `targets`: each model's SLO-attainment target) and return the JSON's
+    path."""
     path = result.save_json(folder / "result.json")
     if requests_csv:
         result.save_requests_csv(folder / "requests.csv")
     pngs = result.plots(folder)
-    say.print(results_table(result))
+    say.print(results_table(result, targets))
     say.print(
         f"cost {result.mean_cost_per_hour:,.2f} $/h (total ${result.total_cost:,.2f}), GPU utilisation "
         f"{result.gpu_utilisation:.0%}; simulation time: {result.wall_s:,.1f} s for {result.requests:,} requests "
@@ -270,17 +305,20 @@ def report(result: SimResult, folder: Path, requests_csv: bool, say: Console, wh
         say.print(f"[yellow]{line}[/]")
     if result.unfinished and not why:
         say.print(f"[yellow]{result.unfinished:,} requests did not finish[/]")
-    say.print(f"wrote {path}, " + ", ".join(str(p) for p in pngs))
+    say.print(f"wrote to [bold]{folder}[/]: " + ", ".join(p.name for p in (path, *pngs)))
     return path
 
 
-def sim_summary(result: SimResult, path: Path, why: list[str]) -> dict[str, Any]:
+def sim_summary(result: SimResult, path: Path, why: list[str], targets: Mapping[str, float]) -> dict[str, Any]:
     """What `coral simulate --json` prints per run: the headline metrics, per model latency percentiles,
-    attainment and goodput, the notes, why requests did not finish, and where the full result was written."""
+    attainment against its target (`targets`) with pass/fail, and goodput, whether every model passed, the
+    notes, why requests did not finish, and where the full result was written."""
+    passed = passes(result, targets)
 
     def metrics(m: ModelMetrics) -> dict[str, Any]:
         return {"model": m.model, "requests": m.requests, "finished": m.finished,
-                "slo_attainment": m.slo_attainment, "ttft_attainment": m.ttft_attainment,
+                "slo_attainment": m.slo_attainment, "slo_target": targets.get(m.model),
+                "passed": passed.get(m.model), "ttft_attainment": m.ttft_attainment,
                 "tpot_attainment": m.tpot_attainment, "goodput_tokens_s": m.goodput_tokens_s,
                 "ttft_ms": {"p50": m.ttft_ms.p50, "p99": m.ttft_ms.p99},
                 "tpot_ms": {"p50": m.tpot_ms.p50, "p99": m.tpot_ms.p99},
@@ -288,11 +326,12 @@ def sim_summary(result: SimResult, path: Path, why: list[str]) -> dict[str, Any]
 
     return {"router": result.router, "seed": result.seed, "duration_s": result.duration_s,
             "requests": result.requests, "finished": result.finished, "unfinished": result.unfinished,
-            "slo_attainment": result.slo_attainment, "goodput_tokens_s": result.goodput_tokens_s,
+            "slo_attainment": result.slo_attainment, "all_passed": all(passed.values()),
+            "goodput_tokens_s": result.goodput_tokens_s,
             "mean_cost_per_hour": result.mean_cost_per_hour, "total_cost": result.total_cost,
             "gpu_utilisation": result.gpu_utilisation, "overall": metrics(result.overall),
             "models": [metrics(m) for m in result.models], "notes": result.notes, "unfinished_reasons": why,
-            "wall_s": result.wall_s, "result_path": str(path)}
+            "wall_s": result.wall_s, "folder": str(path.parent), "result_path": str(path)}
 
 
 def compare_table(results: list[SimResult]) -> FoldingTable:

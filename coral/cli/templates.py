@@ -10,6 +10,7 @@ from pathlib import Path
 import typer
 
 from coral.catalog.loader import CoralInputError, builtin_catalog, load_scenario, scenario_and_market
+from coral.catalog.suggest import did_you_mean
 from coral.cli.common import (
     DEFAULT_OUT,
     OFFERINGS_HELP,
@@ -88,15 +89,17 @@ def show_cmd(
     from coral.report.terminal import FoldingTable
     from coral.templates.store import load_library
 
-    lib = load_library(scenario, out)
     sc = load_scenario(scenario)
     region = region or sc.regions[0]
     if region not in sc.regions:
-        raise CoralInputError(f"--region: {region!r} is not in scenario {sc.name} ({', '.join(sc.regions)})")
+        raise CoralInputError(f"--region: {region!r} is not in scenario {sc.name}{did_you_mean(region, sc.regions)}; "
+                              f"its regions: {', '.join(sc.regions)}")
+    lib = load_library(scenario, out)
     rows = lib.select(model, phase)
     if not len(rows):
         known = sorted({m for m, _ in lib.keys()})
-        raise CoralInputError(f"model {model!r} has no templates in {sc.name}; models: {', '.join(known)}")
+        raise CoralInputError(f"model {model!r} has no templates in {sc.name}{did_you_mean(model, known)}; "
+                              f"models: {', '.join(known)}")
     cost = lib.costs(builtin_catalog().prices(region))[rows]
     with np.errstate(divide="ignore"):
         eff = np.where(np.isfinite(cost), lib.throughput[rows] / cost, 0.0)

@@ -428,9 +428,11 @@ def run_experiment(name: str, out: Path = Path("out"), time_limit: float = 30.0,
     """Run one experiment and write its JSON and PNG under `out/experiments/` (`offerings`: the market file;
     `simulate`: measure SLO goodput by simulation; `options`: e.g. scenario= for epochs)."""
     from coral.catalog.loader import CoralInputError
+    from coral.catalog.suggest import did_you_mean
 
     if name not in EXPERIMENTS:
-        raise CoralInputError(f"experiment {name!r}: unknown; known: {', '.join(EXPERIMENTS)}")
+        raise CoralInputError(f"experiment {name!r}: unknown{did_you_mean(name, EXPERIMENTS)}; known: "
+                              f"{', '.join(EXPERIMENTS)}")
     result = EXPERIMENTS[name](Inputs(out, offerings), Judge() if simulate else None, time_limit=time_limit,
                                **options)
     folder = out / "experiments"

@@ -22,7 +22,8 @@ changes template shapes as demand moves), so a bound contradicted by a later rou
 trusted, and the result is the cheapest plan *of all rounds* that met every target, not the last one.
 
 Stopping rule: when every bracket is within `tolerance` and the plan of all ``hi`` values has been simulated,
-or after `max_rounds` rounds (default `default_rounds`: 14 for 3 models, one more per model beyond). The budget
+when a round moved no bracket (the next would ask the same demand and get the same plan again), or after
+`max_rounds` rounds (default `default_rounds`: 14 for 3 models, one more per model beyond). The budget
 is rounds, not seconds, so the same inputs give the same rounds and plan on an idle or a loaded machine: no
 decision of the search reads the clock. `time_budget_s` (default `default_budget_s`, 4x the seconds the rounds
 take on 2 cores) is a wall-clock safety net only, checked before each round; when it stops the search, or the
@@ -49,7 +50,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import astuple, dataclass, field
 
 from coral.allocation.allocator import InfeasibleDemand, allocate
 from coral.allocation.core import Availability
@@ -283,6 +284,7 @@ def _run_rounds(planner: Planner, scenario: Scenario, cfg: SearchSettings, start
         say(f"round {index + 1}: ${plan.cost_per_hour:,.2f}/h, " + ", ".join(
             f"{m} {att.get(m, 0.0):.1%}" for m in target) + (" - meets every target" if passed else ""))
         settled_before = all(b.settled(cfg.tolerance) for b in brackets.values())
+        before = [astuple(b) for b in brackets.values()]
         # brackets hold the capacity planned (rounded up to whole instances) ÷ traffic, not the demand asked for:
         # what the simulator saw is the capacity, and asking for it again gets at least as much
         got = {(s.model, Phase(s.phase)): s.capacity / traffic[(s.model, Phase(s.phase))] for s in plan.serving
@@ -330,6 +332,9 @@ def _run_rounds(planner: Planner, scenario: Scenario, cfg: SearchSettings, start
                 b.h = b.lo * min(3.0, max(1.2, math.sqrt(miss / max(1.0 - target[m], 1e-6))))
             if k in cap:
                 b.h = min(b.h, cap[k] / cfg.tolerance ** 0.5)
+        if [astuple(b) for b in brackets.values()] == before:  # the next round would ask the same again
+            say(f"round {index + 1}: no bracket moved, so another round would repeat this one: stopped")
+            break
     trial.headroom = {k: b.h for k, b in brackets.items()}
     return trial
 

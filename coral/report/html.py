@@ -13,6 +13,8 @@ from typing import Any
 from pydantic import BaseModel
 
 from coral.allocation.plan import Plan
+from coral.catalog.loader import Catalog
+from coral.catalog.schema import Scenario
 from coral.report.inputs import EpochPoint, ReportInputs
 from coral.report.view import view_model
 from coral.simulation.metrics import SimResult
@@ -51,7 +53,11 @@ def build_report(
     baselines: Sequence[Plan] = (),
     sim: SimResult | ReportInputs | BaseModel | Mapping[str, Any] | None = None,
     epochs: Sequence[EpochPoint | Mapping[str, Any]] | None = None,
+    catalog: Catalog | None = None,
+    scenario: Scenario | None = None,
 ) -> str:
     """Self-contained HTML report of `plan`, its baselines, and optional simulation / per-epoch results
-    (`sim`: a SimResult, ReportInputs or their JSON dicts; see `view_model`)."""
-    return render_page(view_model(plan, baselines=baselines, sim=sim, epochs=epochs))
+    (`sim`: a SimResult, ReportInputs or their JSON dicts; `catalog` and `scenario`: the market and demand it was
+    planned for, by default its built-in scenario's; see `view_model`)."""
+    return render_page(view_model(plan, baselines=baselines, sim=sim, epochs=epochs, catalog=catalog,
+                                  scenario=scenario))

@@ -108,6 +108,8 @@ class ReportInputs(_Tolerant):
     timeseries: TimeSeries | None = None
     scenario: str = Field(default="", description="scenario the results belong to")
     plan_fingerprint: str = Field(default="", description="coral.report.view.plan_fingerprint of the plan run")
+    run: str = Field(default="", description="which run the latency and time series are of, in words, with its cost "
+                     "(e.g. the plan re-planned every 15 min, $68.98/h mean); shown beside them")
 
     @field_validator("schema_version")
     @classmethod
@@ -130,6 +132,7 @@ class ReportInputs(_Tolerant):
             timeseries=other.timeseries or self.timeseries,
             scenario=other.scenario or self.scenario,
             plan_fingerprint=other.plan_fingerprint or self.plan_fingerprint,
+            run=other.run or self.run,
         )
 
 

@@ -6,7 +6,8 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
-from rich.console import Console, ConsoleOptions, RenderResult
+from rich._ratio import ratio_distribute
+from rich.console import Console, ConsoleOptions, RenderableType, RenderResult
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -25,8 +26,9 @@ from coral.report.view import comparison, instance_groups, latency_charts, solve
 
 class FoldingTable(Table):
     """A rich Table for narrow terminals: columns added with `optional=True` are left out, last first, while the
-    table cannot fit the width without breaking a word (a dim line under it names them); the remaining cells fold
-    onto more lines instead of being cut with '…'. Pass `no_wrap=True` for name columns: rich narrows them last."""
+    table cannot fit the width without breaking a word, then those that fit again are put back, first first (a dim
+    line under the table names the ones left out); the remaining cells fold onto more lines instead of being cut
+    with '…'. Pass `no_wrap=True` for name columns: rich narrows them last."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -38,27 +40,65 @@ class FoldingTable(Table):
         if optional:
             self._optional.append(self.columns[-1])
 
+    def _calculate_column_widths(self, console: Console, options: ConsoleOptions) -> list[int]:
+        """rich's widths, unless they give a column less than its longest word where the words of every column
+        fit: then each column its longest word (a no_wrap one its whole text) and the room left shared in
+        proportion to what each lacks of its widest line."""
+        widths = super()._calculate_column_widths(console, options)
+        ranges = [self._measure_column(console, options, c) for c in self.columns]
+        if all(w >= r.minimum for w, r in zip(widths, ranges, strict=True)):
+            return widths
+        lows = [r.maximum if c.no_wrap else r.minimum for r, c in zip(ranges, self.columns, strict=True)]
+        room = options.max_width - sum(lows)
+        wants = [r.maximum - low for r, low in zip(ranges, lows, strict=True)]
+        if room < 0 or not any(wants):
+            return widths
+        return [low + extra for low, extra in zip(lows, ratio_distribute(room, wants), strict=True)]
+
     def _breaks_words(self, console: Console, options: ConsoleOptions) -> bool:
         """Whether rich would give some column less than its longest word at this width."""
         inner = options.update_width(options.max_width - self._extra_width)
         widths = self._calculate_column_widths(console, inner)
-        return any(w < self._measure_column(console, inner, c).minimum for w, c in zip(widths, self.columns, strict=True))
+        return any(w < self._measure_column(console, inner, c).minimum
+                   for w, c in zip(widths, self.columns, strict=True))
 
-    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+    def _fitting_columns(self, console: Console, options: ConsoleOptions) -> set[int]:
+        """Sets self.columns to the columns to show at this width; returns their ids."""
         every = self.columns
-        left_out: list[str] = []
+        shown = {id(c) for c in every}
         for col in reversed(self._optional):
             if not self._breaks_words(console, options):
                 break
-            self.columns = [c for c in self.columns if c is not col]
-            left_out.insert(0, str(col.header))
+            shown.discard(id(col))
+            self.columns = [c for c in every if id(c) in shown]
+        for col in self._optional:
+            if id(col) in shown:
+                continue
+            self.columns = [c for c in every if id(c) in shown or c is col]
+            if self._breaks_words(console, options):
+                self.columns = [c for c in every if id(c) in shown]
+            else:
+                shown.add(id(col))
+        return shown
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        every = self.columns
         try:
+            shown = self._fitting_columns(console, options)
             yield from super().__rich_console__(console, options)
         finally:
             self.columns = every
+        left_out = [_plain(c.header) for c in every if id(c) not in shown]
         if left_out:
             yield Text(f"(left out for the terminal's width: {', '.join(left_out)}; widen it or set COLUMNS)",
                        style="dim")
+
+
+def _plain(header: RenderableType) -> str:
+    """A column header as the text it shows (a str header is rich markup)."""
+    if isinstance(header, str):
+        return Text.from_markup(header).plain
+    return header.plain if isinstance(header, Text) else str(header)
 
 
 #: table headers for the field names of results (experiment rows, JSON keys) that are not words
@@ -84,6 +124,8 @@ HEADERS = {
 
 #: result fields that are shares of 1, shown in percent
 SHARE_FIELDS = frozenset({"min_served", "served", "goodput_share", "attainment", "least_attainment"})
+#: result fields that are dollars (per hour), shown to the cent
+MONEY_FIELDS = frozenset({"cost_per_hour", "penalty_per_hour"})
 
 
 def header(field: str) -> str:
@@ -110,9 +152,12 @@ def human(value: object) -> str:
 
 
 def cell(field: str, value: object) -> str:
-    """A table cell of a result field: shares (SHARE_FIELDS) in percent, anything else by `human`."""
+    """A table cell of a result field: shares (SHARE_FIELDS) in percent, dollars (MONEY_FIELDS) to the cent,
+    anything else by `human`."""
     if field in SHARE_FIELDS and isinstance(value, float):
         return f"{value:.1%}"
+    if field in MONEY_FIELDS and isinstance(value, int | float) and not isinstance(value, bool):
+        return f"{value:,.2f}"
     return human(value)
 
 
@@ -142,8 +187,13 @@ def layout_text(inst: PlanInstance) -> str:
     return " → ".join(parts)
 
 
+def money(dollars: float) -> str:
+    """Dollars for people, to the cent: '$0.80', '$1,234.50'."""
+    return f"${dollars:,.2f}"
+
+
 def _money(v: float) -> str:
-    return f"${v:,.2f}/h"
+    return f"{money(v)}/h"
 
 
 def plan_tables(plan: Plan) -> list[Table]:

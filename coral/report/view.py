@@ -322,6 +322,21 @@ def savings(plan: Plan, baselines: Sequence[Plan]) -> list[dict[str, Any]]:
     return out
 
 
+def verdict_section(plan: Plan) -> dict[str, Any] | None:
+    """The report's headline: the plan's own verdict per model on held-out requests (attainment over every
+    held-out set, the worst set alone, the target, pass/fail and why) beside the plan's cost, exactly what `coral
+    run` prints; None for a plan not scored on held-out requests."""
+    slo = plan.slo
+    if slo is None or not slo.held_out:
+        return None
+    models = [{"model": m, "target": goal, "held_out": slo.held_out.get(m), "worst": slo.held_out_worst.get(m),
+               "tuned": slo.tuned.get(m), "pass": slo.passed(m), "verdict": slo.verdict.get(m, "")}
+              for m, goal in slo.target.items()]
+    return {"cost_per_hour": plan.cost_per_hour, "passed": all(r["pass"] for r in models),
+            "n_sets": len(slo.held_out_seeds), "duration_s": slo.duration_s, "models": models,
+            "notes": [n for n in slo.notes if n.startswith("missed")]}
+
+
 def slo_section(
     inputs: ReportInputs, targets: Mapping[str, float] | None = None, default: float = SLO_TARGET
 ) -> dict[str, Any] | None:
@@ -358,6 +373,7 @@ def slo_section(
         "overall": overall,
         "overall_pass": None if overall is None else overall >= target,
         "models": models,
+        "run": inputs.run,
     }
 
 
@@ -605,6 +621,7 @@ def view_model(
         "instance_groups": instance_groups(plan, catalog),
         "comparison": comparison(plan, baselines, inputs.methods) if baselines else None,
         "savings": savings(plan, baselines),
+        "verdict": verdict_section(plan),
         "slo": slo_section(inputs, targets, default),
         "methods": [m.model_dump(mode="json") for m in inputs.methods],
         "demand": demand_section(scenario),

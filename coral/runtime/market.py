@@ -12,9 +12,15 @@ from collections.abc import Callable
 from pathlib import Path
 
 import httpx
-import yaml
 
-from coral.catalog.loader import Catalog, CoralInputError, check_region_table, offerings_catalog, validate
+from coral.catalog.loader import (
+    Catalog,
+    CoralInputError,
+    check_region_table,
+    offerings_catalog,
+    parse_structured,
+    validate,
+)
 from coral.catalog.schema import MarketSnapshot, Scenario
 from coral.simulation.engine import ObservedDemand
 
@@ -31,9 +37,9 @@ def read_market(location: str, scenario: Scenario, base: Catalog, timeout_s: flo
             text = response.text
         else:
             text = Path(location).read_text()
-        data = yaml.safe_load(text)
-    except (OSError, httpx.HTTPError, yaml.YAMLError) as exc:
+    except (OSError, httpx.HTTPError) as exc:
         raise CoralInputError(f"{location}: cannot read the market: {exc}") from None
+    data = parse_structured(text, location)
     snap = validate(MarketSnapshot, data, location)
     catalog = base if snap.offerings is None else offerings_catalog(snap.offerings, location, base)
     check_region_table(snap.availability or {}, scenario, f"{location}: availability")

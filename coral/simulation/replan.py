@@ -37,6 +37,7 @@ def allocator_replanner(
     ahead_s: float = 0.0,
     hold: float = 0.0,
     floor_tokens_s: float = 0.0,
+    at_least_observed: bool = False,
     time_limit: float = 30.0,
     log: list[str] | None = None,
 ) -> Replanner:
@@ -47,7 +48,8 @@ def allocator_replanner(
     traffic): a mapping gives it per (model, phase); a number multiplies the plan's own — `initial`'s where it
     recorded its traffic, else the scenario's (`coral.allocation.demand.headroom`). Expected traffic: the
     previous epoch's mean, or with `forecaster` its forecast over the window the new plan will serve, from
-    `ahead_s` (the start-up delay) after the re-plan to one epoch later. `correction` is first updated with
+    `ahead_s` (the start-up delay) after the re-plan to one epoch later, with `at_least_observed` never below the
+    previous epoch's mean (so the headroom is a floor on the traffic seen, not only on a forecast). `correction` is first updated with
     the previous epoch's latencies, stepping the factor of the capacity that served most of it: the last
     re-plan's, or with `ahead_s` over half an epoch the one before (the last one's was not ready yet). With `hold` > 0 a (model, phase) whose running capacity lies within
     [1, 1 + hold] × the capacity asked for asks for its running capacity instead, so that the allocator keeps
@@ -73,7 +75,8 @@ def allocator_replanner(
             forecaster.observe((m, Phase.PREFILL), [d.prefill_tokens_s for d in series])
             forecaster.observe((m, Phase.DECODE), [d.decode_tokens_s for d in series])
         epoch_s = observed.end_s - observed.start_s
-        return {k: forecaster.forecast(k, ahead_s, ahead_s + epoch_s) for k in mean}
+        ahead = {k: forecaster.forecast(k, ahead_s, ahead_s + epoch_s) for k in mean}
+        return {k: max(v, mean[k]) for k, v in ahead.items()} if at_least_observed else ahead
 
     used: list[dict[DemandKey, float]] = []  # the correction each re-plan applied, oldest first
 

@@ -10,6 +10,7 @@ import numpy as np
 from coral.allocation.plan import Plan
 from coral.catalog.loader import Catalog, CoralInputError, builtin_catalog
 from coral.catalog.schema import Scenario
+from coral.catalog.suggest import did_you_mean
 from coral.perf.roofline import RooflineModel
 from coral.simulation.availability import AvailabilitySchedule
 from coral.simulation.engine import Engine, ModelDemand, ObservedDemand, ObservedLatency, Replanner
@@ -31,7 +32,8 @@ def check_plan(plan: Plan, scenario: Scenario) -> None:
     known = {m.model for m in scenario.models}
     for i, inst in enumerate(plan.instances):
         if inst.model not in known:
-            raise CoralInputError(f"plan: instances.{i}.model: {inst.model!r} is not a model of {scenario.name}")
+            raise CoralInputError(f"plan: instances.{i}.model: {inst.model!r} is not a model of {scenario.name}"
+                                  f"{did_you_mean(inst.model, known)}")
         if sum(s.layers for s in inst.stages) <= 0:
             raise CoralInputError(f"plan: instances.{i}.stages: no layers")
         for j, s in enumerate(inst.stages):
@@ -81,7 +83,8 @@ def simulate(
     names = [m.model for m in scenario.models]
     unknown = sorted(set(requests) - set(names))
     if unknown:
-        raise CoralInputError(f"requests for model(s) {', '.join(unknown)} not in scenario {scenario.name}")
+        raise CoralInputError(f"requests for model(s) {', '.join(unknown)} not in scenario {scenario.name}"
+                              + "".join(did_you_mean(m, names) for m in unknown))
     parts = [(i, requests[m].until(duration_s)) for i, m in enumerate(names) if m in requests]
     arrival = np.concatenate([r.arrival_s for _, r in parts]) if parts else np.zeros(0)
     model_of = np.concatenate([np.full(len(r), i, dtype=np.int64) for i, r in parts]) if parts else np.zeros(0, int)

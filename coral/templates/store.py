@@ -40,13 +40,29 @@ def changed_parts(library: TemplateLibrary, scenario: Scenario, catalog: Catalog
 BUILD_REFERENCE = ((111_378, 4.0), (2_762_748, 100.0))
 
 
-def build_estimate_s(scenario: Scenario, workers: int | None = None) -> float:
+#: seconds numba takes to compile the placement solver when its cache is empty (a fresh clone or machine): a
+#: core build took 22.3 s with an empty NUMBA_CACHE_DIR and 4.3 s with a warm one, on this project's 2 cores
+COMPILE_S = 18.0
+
+
+def solver_compiled() -> bool:
+    """Whether numba's cache holds the placement solver (else the first build compiles it: `COMPILE_S`)."""
+    from coral.templates import placement
+
+    folders = [Path(os.environ["NUMBA_CACHE_DIR"])] if os.environ.get("NUMBA_CACHE_DIR") else []
+    folders.append(Path(placement.__file__).parent / "__pycache__")
+    return any(any(f.rglob("placement.*.nbi")) for f in folders if f.is_dir())
+
+
+def build_estimate_s(scenario: Scenario, workers: int | None = None, compiled: bool = True) -> float:
     """Rough seconds a library build of `scenario` takes on `workers` processes (default: every core), from its
-    size, on the power law through BUILD_REFERENCE (larger scenarios also have larger models)."""
+    size, on the power law through BUILD_REFERENCE (larger scenarios also have larger models), plus `COMPILE_S`
+    unless the solver is `compiled` already."""
     (small, t_small), (large, t_large) = BUILD_REFERENCE
     size = (math.comb(len(scenario.configs) + scenario.n_max, scenario.n_max) - 1) * 2 * len(scenario.models)
     power = math.log(t_large / t_small) / math.log(large / small)
-    return t_small * (size / small) ** power * 2 / max(1, workers or os.cpu_count() or 1)
+    work = t_small * (size / small) ** power * 2 / max(1, workers or os.cpu_count() or 1)
+    return work + (0.0 if compiled else COMPILE_S)
 
 
 def _duration(seconds: float) -> str:
@@ -79,9 +95,11 @@ def load_library(scenario: str, out: Path, catalog: Catalog | None = None) -> Te
         why = f"{path} was built for other inputs ({', '.join(changed)} changed)"
     err = Console(stderr=True, soft_wrap=True)
     workers = os.cpu_count() or 1
+    compiled = solver_compiled()
     err.print(f"building the template library of {sc.name} ({why}); expected about "
-              f"{_duration(build_estimate_s(sc, workers))} on {workers} cores (more the first time on a machine, "
-              f"while numba compiles the placement solver); once: it is cached in {path}")
+              f"{_duration(build_estimate_s(sc, workers, compiled))} on {workers} cores"
+              f"{'' if compiled else ', numba compiling the placement solver first (once per machine)'}; once: it is "
+              f"cached in {path}")
     columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                TimeElapsedColumn())
     t0 = time.perf_counter()

@@ -15,6 +15,7 @@ import numpy as np
 
 from coral.catalog.loader import CoralInputError, data_path
 from coral.catalog.schema import Scenario
+from coral.catalog.suggest import did_you_mean
 
 AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
 BURSTGPT_COLUMNS = ("Timestamp", "Model", "Request tokens", "Response tokens", "Total tokens", "Log Type")
@@ -416,7 +417,8 @@ def workload_for(
             continue
         else:
             raise CoralInputError(
-                f"scenario {scenario.name}: models.{i}.trace: unknown trace {m.trace!r}; known: "
+                f"scenario {scenario.name}: models.{i}.trace: unknown trace {m.trace!r}"
+                f"{did_you_mean(m.trace, [*SHIPPED_TRACES, 'synthetic'])}; known: "
                 f"{', '.join([*SHIPPED_TRACES, 'synthetic'])} (or pass a file with --trace {m.model}=PATH)"
             )
         if part is not None:

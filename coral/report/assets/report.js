@@ -202,7 +202,29 @@
     return ok === null || ok === undefined ? "" : h("span", { class: "badge " + (ok ? "pass" : "fail") }, ok ? "pass" : "fail");
   }
 
-  // At the top: overall and per-model SLO attainment, each SLO marked pass/fail against the target share.
+  // The headline: the plan's own verdict per model on held-out requests beside its cost (what `coral run` prints).
+  function verdictSection(vm) {
+    var v = vm.verdict;
+    if (!v) return null;
+    var failed = v.models.filter(function (r) { return !r.pass; }).length;
+    var rows = v.models.map(function (r) {
+      return h("tr", { "data-model": r.model, "data-pass": r.pass ? "pass" : "fail" }, h("td", null, r.model),
+        h("td", { class: "target", "data-value": r.target }, pct(r.target)),
+        h("td", { class: "att", "data-value": r.held_out }, pct(r.held_out)),
+        h("td", { class: "att", "data-value": r.worst }, pct(r.worst)),
+        h("td", { class: "l" }, passBadge(r.pass), r.pass ? "" : " " + r.verdict.replace(/^fail:?\s*/, "")));
+    });
+    return h("section", { id: "verdict" },
+      h("h2", null, "Verdict: this plan, ", h("span", { id: "verdict-cost", "data-value": v.cost_per_hour }, money(v.cost_per_hour)),
+        ", on held-out requests ", passBadge(v.passed)),
+      h("div", { class: "sub", style: "margin-bottom:6px" }, (v.passed ? "every model meets its target" :
+        failed + " of " + v.models.length + " models miss their target") + " on " + v.n_sets + " held-out request sets of " +
+        qty(v.duration_s / 60) + " min each (requests the planner never tuned on); worst set: the set where the model did worst"),
+      table(["Model", "Target", "Held-out attainment", "Worst set", "Verdict"], rows, "verdict-table", 1, [4]),
+      v.notes.length ? h("div", { class: "sub" }, v.notes.join("; ")) : null);
+  }
+
+  // Overall and per-model SLO attainment of one simulated run, each SLO marked pass/fail against the target share.
   function sloSection(vm, live) {
     var slo = vm.slo;
     if (!slo) return null;
@@ -216,7 +238,8 @@
     });
     var head = slo.overall === null ? null : h("div", { class: "slo-overall", id: "slo-overall", "data-value": slo.overall },
       "Overall: ", h("b", null, pct(slo.overall)), " of requests met both SLOs ", passBadge(slo.overall_pass));
-    return h("section", { id: "slo" }, h("h2", null, live ? "SLO attainment (measured)" : "SLO attainment (simulated)"), head,
+    var title = live ? "SLO attainment (measured)" : slo.run ? "SLO attainment of " + slo.run : "SLO attainment (simulated)";
+    return h("section", { id: "slo" }, h("h2", null, title), head,
       h("div", { class: "sub", style: "margin-bottom:6px" }, "pass: at least ",
         h("b", { id: "slo-target", "data-value": slo.target }, pct(slo.target)),
         mixed ? " (the strictest; each model's target in the table)" : "",
@@ -513,7 +536,7 @@
     var app = document.getElementById("app");
     var notes = vm.notes && vm.notes.length ? h("div", { class: "notes" }, vm.notes.map(function (n) { return h("div", null, n); })) : null;
     var live = !!cfg.poll_url;  // the dashboard leads with the runtime; the report with what to rent
-    var view = h("div", null, header(vm, cfg, status), notes, live ? null : bomSection(vm), sloSection(vm, live), kpis(vm),
+    var view = h("div", null, header(vm, cfg, status), notes, verdictSection(vm), live ? null : bomSection(vm), sloSection(vm, live), kpis(vm),
       liveSection(vm),
       h("section", null, h("h2", null, "Plan"), demandSection(vm), h("div", { style: "height:14px" }), servingSection(vm),
         h("div", { style: "height:14px" }), costSection(vm)),

@@ -107,6 +107,9 @@ async def forward(
         try:
             async for chunk in chunks:
                 clock.feed(chunk, time.perf_counter())
+                if clock.done:  # the answer is whole: counted before the client can read its end
+                    outcome["ok"] = resp.status_code < 400
+                    release()
                 yield chunk
             outcome["ok"] = resp.status_code < 400
         except TimeoutError:  # stalled mid-answer: cut, and the instance gets no requests for a while
@@ -116,8 +119,10 @@ async def forward(
                             f"{whole}")
         except OSError as exc:
             yield sse_error(f"{ep.id} failed mid-stream: {type(exc).__name__}")
+        release()  # before the response's end is sent (on a cut connection RelayResponse's cleanup releases)
 
-    async def cleanup() -> None:
+    def release() -> None:
+        """The instance, the admission slot and the answer's record, once."""
         if outcome["done"]:
             return
         outcome["done"] = True
@@ -125,6 +130,9 @@ async def forward(
         gw.upstream.labels(ep.id, ep.phase, "ok" if outcome["ok"] else "error").inc()
         gw.record(model, start, first_at, "ok" if outcome["ok"] else "error", clock.first, clock.tpot_s)
         gw.leave()
+
+    async def cleanup() -> None:
+        release()
         await resp.aclose()
 
     media = resp.headers.get("content-type", "text/event-stream")

@@ -36,12 +36,14 @@ class TokenClock:
         self.first: float | None = None
         self.last: float | None = None
         self.tokens = 0
+        self.done = False  # the stream's `data: [DONE]` was read: the answer is whole
 
     def feed(self, chunk: bytes, at: float) -> None:
         """Read a chunk of the answer that arrived at `at` (perf_counter seconds)."""
         *events, rest = (self.pending + chunk).replace(b"\r\n", b"\n").split(b"\n\n")
         self.pending = rest if len(rest) <= self.MAX_PENDING else b""
         for event in events:
+            self.done = self.done or event.strip() == b"data: [DONE]"
             if _carries_text(event):
                 self.tokens += 1
                 self.first = at if self.first is None else self.first
