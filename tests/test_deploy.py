@@ -210,9 +210,9 @@ def test_kubernetes_manifests_validate(tmp_path):
     svcs = {d["metadata"]["name"]: d for d in kinds["Service"]}
     head = svcs["qwen3-32b-prefill-t3-aws-us-east-2-0"]["spec"]
     assert head["clusterIP"] == "None" and head["selector"]["coral.io/rank"] == "0"
-    assert len(kinds["Service"]) == 4
+    assert len(kinds["Service"]) == 4 + 1  # and the gateway's
     eps = {e.id: e for e in EndpointsFile.load(tmp_path / "endpoints.json").endpoints}
-    assert set(eps) == set(svcs)
+    assert set(eps) == set(svcs) - {"coral-core-gateway"}
     decode = eps["phi-4-decode-t2-aws-us-east-2"]
     assert (decode.url, decode.weight, decode.phase) == (
         "http://phi-4-decode-t2-aws-us-east-2:8000",
@@ -244,7 +244,8 @@ def test_skypilot_services(tmp_path):
     assert "node configs 4xL4 | 4xL40S" in res.skipped["qwen3-32b.prefill.t3.aws-us-east-2.0"]
     assert "NixlConnector" in res.skipped["qwen3-32b.decode.t7.aws-us-east-2.0"]
     assert res.uncovered == [("qwen3-32b", "prefill")]
-    docs = {p.name: yaml.safe_load(p.read_text()) for p in res.files}
+    docs = {p.name: yaml.safe_load(p.read_text()) for p in res.files if p.name.endswith(".sky.yaml")}
+    assert len(docs) == 3 and "coral-core-gateway.gateway.yaml" in {p.name for p in res.files}
     svc = docs["phi-4-decode-t2-aws-us-east-2.sky.yaml"]
     assert svc["resources"] == {
         "cloud": "aws",
@@ -273,7 +274,9 @@ def test_skypilot_runs_a_one_config_pipeline_as_multi_node_replicas(tmp_path):
     exactly rank r's command of `launch_commands`, rendezvous at SkyPilot's head node."""
     res = render(make_plan([one_config_pipeline(0), one_config_pipeline(1)]), "skypilot", tmp_path)
     assert res.skipped == {} and res.uncovered == []
-    (path,) = res.files
+    (path,) = [p for p in res.files if p.name.endswith(".sky.yaml")]
+    (endpoint,) = EndpointsFile.load(tmp_path / "endpoints.template.json").endpoints
+    assert (endpoint.id, endpoint.weight) == (path.name.removesuffix(".sky.yaml"), 2 * 900.0)  # both replicas
     svc = yaml.safe_load(path.read_text())
     assert (svc["num_nodes"], svc["service"]["replicas"], svc["service"]["ports"]) == (2, 2, 8000)
     assert svc["resources"]["instance_type"] == "g6e.12xlarge" and svc["resources"]["accelerators"] == "L40S:4"
@@ -294,7 +297,7 @@ def test_skypilot_services_pass_sky_serve_up_checks(tmp_path):
         pytest.skip(f"SkyPilot is not installed: `{SKY_INSTALL_HINT}` installs it (or set CORAL_SKY_PYTHON)")
     plan = sample_plan()
     plan.instances.append(one_config_pipeline())
-    files = [str(p) for p in render(plan, "skypilot", tmp_path).files]
+    files = [str(p) for p in render(plan, "skypilot", tmp_path).files if p.name.endswith(".sky.yaml")]
     assert len(files) == 4
     out = subprocess.run([python, str(SKY_CHECK), *files], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
@@ -311,7 +314,8 @@ def test_commands_target_writes_one_script_per_node(tmp_path):
     names = {p.name for p in res.files}
     assert {"qwen3-32b-prefill-t3-aws-us-east-2-0.rank0.sh", "qwen3-32b-prefill-t3-aws-us-east-2-0.rank1.sh"} <= names
     assert {"qwen3-32b-decode-t4-aws-us-east-2-0.replica0.sh", "qwen3-32b-decode-t4-aws-us-east-2-0.replica1.sh"} <= names
-    assert len(res.files) == 1 + 2 + 2 + 2  # phi prefill, phi decode x2, qwen prefill ranks, qwen decode replicas
+    assert len(res.files) == 1 + 2 + 2 + 2 + 1  # phi prefill, phi decode x2, qwen prefill ranks, qwen decode replicas,
+    # and the gateway's script
     rank1 = (tmp_path / "qwen3-32b-prefill-t3-aws-us-east-2-0.rank1.sh").read_text()
     assert rank1.count("vllm serve") == 1 and "--node-rank 1" in rank1
     assert ': "${CORAL_HEAD_ADDR:?' in rank1 and "exec vllm serve" in rank1
@@ -322,10 +326,17 @@ def test_commands_target_writes_one_script_per_node(tmp_path):
 
 
 def test_deploy_cli(tmp_path):
+    """A plan of which one instance cannot be launched (a 300 tok/s decode pipeline): refused by default, writing
+    nothing; deployed without it, with a warning naming the capacity lost, with --no-strict."""
     plan_path = sample_plan().save(tmp_path / "plan.json")
     out = tmp_path / "k8s"
+    r = CliRunner().invoke(app, ["deploy", "--plan", str(plan_path), "--target", "kubernetes", "--out", str(out)])
+    text = " ".join(r.output.split())
+    assert r.exit_code == 2 and not out.exists()
+    assert "--strict (the default): 1 instance(s) cannot be rendered (qwen3-32b/decode loses 300 tok/s)" in text
+    assert "nothing was written (--no-strict deploys the rest)" in text
     r = CliRunner().invoke(
-        app, ["deploy", "--plan", str(plan_path), "--target", "kubernetes", "--out", str(out)]
+        app, ["deploy", "--plan", str(plan_path), "--target", "kubernetes", "--out", str(out), "--no-strict"]
     )
     assert r.exit_code == 0, r.output
     assert (out / "index.json").exists() and "cannot launch" in r.output and "capacity is reduced" in r.output
@@ -422,7 +433,7 @@ def test_mixed_data_parallel_stage_gives_one_replica_set_per_config(tmp_path):
     for path in res.files:
         for doc in yaml.safe_load_all(path.read_text()):
             validate_manifest(doc, path.name)
-            if doc["kind"] == "Deployment":
+            if doc["kind"] == "Deployment" and "coral.io/phase" in doc["metadata"]["labels"]:  # an engine's
                 reps[doc["metadata"]["name"]] = doc["spec"]["replicas"]
     assert reps == {"phi-4-decode-t8-aws-us-east-2-1xl4": 2, "phi-4-decode-t8-aws-us-east-2-1xl40s": 1}
 
@@ -475,7 +486,7 @@ def test_command_scripts_quote_every_word(tmp_path):
     plan = make_plan([make_instance("phi-4", "decode", [(40, ["1xL40S"])], 800.0, template_id=2)], scenario="core")
     plan.instances[0].id = "phi-4.decode:t2+x_0"
     res = render(plan, "commands", tmp_path)
-    (script,) = res.files
+    (script,) = [p for p in res.files if p.name != "gateway.sh"]
     line = script.read_text().splitlines()[-1]
     (launch,) = launch_commands(plan.instances[0], PHI)
     words = shlex.split(line)
@@ -542,7 +553,8 @@ def test_a_failure_mid_render_leaves_the_out_folder_as_it_was(tmp_path, monkeypa
     assert [p.name for p in out.iterdir()] == ["keep.txt"]
     monkeypatch.undo()
     res = render(sample_plan(), "commands", out)
-    assert {p.name for p in out.iterdir()} == {"keep.txt", "index.json", *(p.name for p in res.files)}
+    assert {p.name for p in out.iterdir()} == {"keep.txt", "index.json", "endpoints.template.json",
+                                               *(p.name for p in res.files)}
 
 
 @pytest.fixture(scope="module")
@@ -572,14 +584,20 @@ def test_a_plan_made_for_a_target_deploys_whole(core_out, tmp_path, target):
     assert r.exit_code == 0, r.output
     index = json.loads((tmp_path / "d" / "index.json").read_text())
     assert index["skipped"] == {} and index["uncovered"] == [] and index["files"]
+    (gateway,) = index["endpoints"]["gateways"]  # one endpoint for clients, in front of every engine
+    assert gateway["name"] == "coral-core-gateway" and set(gateway["files"]) <= set(index["files"])
+    assert {(e.model, e.phase) for e in EndpointsFile.load(tmp_path / "d" / (index["endpoints"]["template"] or
+            "endpoints.json")).endpoints} == {(i.model, i.phase) for i in plan.instances}
     if target == "kubernetes":
         for f in index["files"]:
             for doc in yaml.safe_load_all((tmp_path / "d" / f).read_text()):
                 validate_manifest(doc, f)
-    if target == "skypilot":
+    if target == "skypilot":  # the endpoints name the gateway and every engine service
+        services = {f.removesuffix(".sky.yaml") for f in index["files"] if f.endswith(".sky.yaml")}
+        assert set(index["endpoints"]["engines"]) == services and len(services) > 1
         python = sky_python()
         if python is not None:
-            files = [str(tmp_path / "d" / f) for f in index["files"]]
+            files = [str(tmp_path / "d" / f) for f in index["files"] if f.endswith((".sky.yaml", ".gateway.yaml"))]
             check = subprocess.run([python, str(SKY_CHECK), *files], capture_output=True, text=True, timeout=120)
             assert check.returncode == 0, check.stdout + check.stderr
         r = runner.invoke(app, ["allocate", "core", "--out", str(core_out)])

@@ -99,10 +99,14 @@ def test_kuberay_one_worker_group_per_node_config(tmp_path):
         "--checkpoint", CKPT, "--host", "0.0.0.0", "--port", "8080"]
     assert "nvidia.com/gpu" not in json.dumps(head)
     subprocess.run(["bash", "-n", "-c", script], check=True)
+    assert gateway["metadata"]["name"] == "coral-core-gateway"
     assert gateway["spec"]["selector"] == {"ray.io/cluster": "coral-core", "ray.io/node-type": "head"}
     assert gateway["spec"]["ports"][0]["port"] == 8080
     index = json.loads((tmp_path / "index.json").read_text())
-    assert (index["engine"], index["target"], index["endpoints"]) == ("coral", "kuberay", None)
+    assert (index["engine"], index["target"]) == ("coral", "kuberay")
+    assert index["endpoints"]["gateways"] == [{"name": "coral-core-gateway", "url": "http://coral-core-gateway:8080/v1",
+                                               "files": ["coral-core.raycluster.k8s.yaml"]}]
+    assert index["endpoints"]["engines"] == {} and index["endpoints"]["file"] is None  # the controller places them
 
 
 def test_kuberay_renders_one_cluster_per_region(tmp_path):
@@ -170,7 +174,9 @@ def test_the_shipped_kuberay_schema_is_the_crds_v1_schema():
 def test_builtin_kinds_are_checked_strictly(tmp_path):
     res = render(hetero_plan(), "kubernetes", tmp_path, engine="coral", checkpoint=CKPT)
     kinds = load_docs(res.files)
-    assert {k: len(v) for k, v in kinds.items()} == {"ConfigMap": 1, "Service": 3, "Deployment": 3 + 7}
+    # the plan, and the gateway's endpoints; per instance its rendezvous Service, and the gateway's; per instance
+    # a scheduler and one Deployment per node (7), and the gateway
+    assert {k: len(v) for k, v in kinds.items()} == {"ConfigMap": 1 + 1, "Service": 3 + 1, "Deployment": 3 + 7 + 1}
     cm = copy.deepcopy(kinds["ConfigMap"][0])
     cm["datas"] = cm.pop("data")
     with pytest.raises(CoralInputError, match=r"\(ConfigMap\): datas: unknown field"):
@@ -197,7 +203,7 @@ def test_kubernetes_target_pods_and_argv(tmp_path):
     kinds = load_docs(res.files)
     deps = {d["metadata"]["name"]: d for d in kinds["Deployment"]}
     svcs = {d["metadata"]["name"]: d for d in kinds["Service"]}
-    (cm,) = kinds["ConfigMap"]
+    (cm,) = [d for d in kinds["ConfigMap"] if "plan.json" in d["data"]]
     base = "qwen3-32b-decode-t2-aws-us-east-2-0"
     rdzv = f"{base}-rdzv"
     svc = svcs[rdzv]["spec"]
@@ -244,8 +250,9 @@ def test_kubernetes_names_stay_dns_labels_for_long_ids(tmp_path):
     plan.instances[1].id = "qwen3-32b.decode." + "x" * 100 + ".0"
     res = render(plan, "kubernetes", tmp_path, engine="coral", checkpoint=CKPT)
     kinds = load_docs(res.files)  # validates every name
-    names = [d["metadata"]["name"] for ds in kinds.values() for d in ds]
-    assert len(names) == len(set(names)) and max(map(len, names)) <= 63
+    for docs in kinds.values():
+        names = [d["metadata"]["name"] for d in docs]
+        assert len(names) == len(set(names)) and max(map(len, names)) <= 63
 
 
 # --- SkyPilot -----------------------------------------------------------------------------------------------
@@ -255,7 +262,8 @@ def test_skypilot_skips_mixed_config_instances_with_a_reason(tmp_path):
     assert "node configs 1xL4 | 4xL40S" in res.skipped[PREFILL] and "one resources spec" in res.skipped[PREFILL]
     assert "node configs 1xL4 | 4xA10G" in res.skipped[DECODE]
     assert res.uncovered == [("qwen3-32b", "prefill")]
-    assert sorted(p.name for p in res.files) == ["plan.json", "qwen3-32b-decode-t3-aws-us-east-2-0.sky.yaml"]
+    assert sorted(p.name for p in res.files) == ["coral-core-gateway.gateway.yaml", "plan.json",
+                                                 "qwen3-32b-decode-t3-aws-us-east-2-0.sky.yaml", "sky-endpoints.sh"]
     task = yaml.safe_load((tmp_path / "qwen3-32b-decode-t3-aws-us-east-2-0.sky.yaml").read_text())
     assert task["num_nodes"] == 2
     assert task["resources"] == {"cloud": "aws", "region": "us-east-2", "accelerators": "L4:1",
@@ -295,7 +303,7 @@ def test_commands_target_writes_scheduler_and_node_scripts(tmp_path):
     base = "qwen3-32b-decode-t2-aws-us-east-2-0"
     names = {p.name for p in res.files}
     assert {f"{base}.scheduler.sh", f"{base}.node0.sh", f"{base}.node1.sh", f"{base}.node2.sh", "plan.json"} <= names
-    assert len(names) == 1 + 3 + 4 + 3  # plan, then per instance its scheduler and nodes
+    assert len(names) == 1 + 3 + 4 + 3 + 1  # plan, then per instance its scheduler and nodes, and the gateway
     for p in res.files:
         if p.suffix == ".sh":
             subprocess.run(["bash", "-n", str(p)], check=True)

@@ -22,6 +22,7 @@ from coral.allocation.plan import ModelServing, Plan, PlanClass, SloCheck, Solve
 from coral.catalog.loader import CoralInputError, load_scenario
 from coral.catalog.schema import Scenario
 from coral.deploy.coral_engine import CORAL_TARGETS
+from coral.deploy.endpoints import EndpointsFile
 from coral.deploy.render import TARGETS, render
 from coral.runtime.handmade import make_instance, make_plan
 
@@ -92,7 +93,7 @@ def scripts(out: Path) -> Iterator[tuple[str, str, dict[str, str]]]:
     for path in sorted(out.iterdir()):
         if path.suffix == ".sh":
             yield path.name, path.read_text(), {}
-        elif path.name.endswith(".sky.yaml"):
+        elif path.name.endswith((".sky.yaml", ".gateway.yaml")):  # SkyPilot: engines, gateway
             task = yaml.safe_load(path.read_text())
             for rank in range(task.get("num_nodes", 1)):
                 env = {"SKYPILOT_NODE_RANK": str(rank), "SKYPILOT_NODE_IPS": "10.0.0.1\n10.0.0.2"}
@@ -144,8 +145,11 @@ def test_no_plan_string_runs_or_injects(tmp_path: Path, payload: str) -> None:
         for f in out.iterdir():
             if f.suffix == ".yaml":
                 for doc in yaml.safe_load_all(f.read_text()):  # the safe loader refuses any tag it does not know
-                    if doc.get("kind") == "ConfigMap":
+                    if doc.get("kind") == "ConfigMap" and "plan.json" in doc["data"]:
                         assert Plan.model_validate_json(doc["data"]["plan.json"]) == plan
+                    elif doc.get("kind") == "ConfigMap":  # the gateway's: the plan's classes as they are
+                        spec = EndpointsFile.model_validate_json(doc["data"]["endpoints.json"])
+                        assert [c.name for c in spec.request_classes["phi-4"]] == [payload]
                     for c in containers(doc):
                         values = c.get("args", []) + [e["value"] for e in c.get("env", []) if "value" in e]
                         assert all(kubelet_refs(v) <= KUBELET_VARS for v in values), (f.name, values)

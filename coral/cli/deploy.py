@@ -1,5 +1,5 @@
 """`coral deploy`: write SkyPilot, Kubernetes (KubeRay for the Coral engine) or per-node launch files for a plan,
-for stock vLLM or the Coral engine."""
+for stock vLLM or the Coral engine, with the gateway in front of them as the single client endpoint."""
 
 from __future__ import annotations
 
@@ -11,30 +11,59 @@ from typing import TYPE_CHECKING, cast
 import typer
 
 from coral.catalog.loader import CoralInputError
-from coral.cli.common import DEFAULT_OUT, check_out_folder, console, friendly_errors
+from coral.cli.common import DEFAULT_OUT, check_out_folder, console, friendly_errors, plan_or_current
 
 if TYPE_CHECKING:
     from coral.allocation.plan import Plan
+    from coral.deploy.common import RenderResult
     from coral.deploy.render import Target
 
 TARGET_HELP = ("deploy target the plan is made for: skypilot | kubernetes | commands (implies --engine vllm; only "
                "templates that `coral deploy --target` launches)")
 
-CORAL_NEXT_STEP = {
-    "kuberay": "kubectl apply -f {out} (needs the KubeRay operator; the gateway is the Service <cluster>-gateway, "
-               "port 8080)",
-    "kubernetes": "kubectl apply -f {out}; coral gateway --endpoints {out}/endpoints.json",
-    "skypilot": "cd {out} && for f in *.sky.yaml; do sky serve up -y -n \"$(basename \"$f\" .sky.yaml)\" \"$f\"; done",
-    "commands": "copy {out} to every machine; per instance run its .scheduler.sh, then each .node<r>.sh on a machine of "
-                "its config (set CORAL_HEAD_ADDR to node 0's address and CORAL_SCHEDULER_ADDR to the scheduler's)",
+KEYS_SECRET = "kubectl create secret generic {secret} --from-literal={keys_key}=\"${keys_env}\""
+ADMIN_SECRET = " --from-literal={admin_key}=\"${admin_env}\""
+KEYS_NOTE = " ({keys_env}: the API keys clients may use, comma-separated, 8+ characters each)"
+KUBECTL_APPLY = "for f in {out}/*.k8s.yaml; do kubectl apply -f \"$f\"; done"
+SKY_UP = "cd {out} && for f in *.sky.yaml; do sky serve up -y -n \"$(basename \"$f\" .sky.yaml)\" \"$f\"%s; done"
+SKY_GATEWAY = ["bash {out}/{fill} (once every engine service is up: writes {endpoints} from `sky serve status "
+               "--endpoint NAME`)", "cd {out} && sky serve up -y -n {gateway} {gateway_file} --secret {keys_env}"]
+COMMANDS_GATEWAY = ("on the gateway's machine: {keys_env}=KEYS CORAL_ADDR_<ENGINE>=ADDRESS ... bash {out}/{script} "
+                    "(one address per engine: index.json's endpoints.engines)")
+PORT_FORWARD = ("in the cluster; from elsewhere `kubectl port-forward service/{gateway} {port}:{port}`, then "
+                "http://127.0.0.1:{port}/v1")
+NEXT_STEPS: dict[tuple[str, str], list[str]] = {
+    ("vllm", "kubernetes"): ["kubectl create secret generic hf-token --from-literal=token=\"$HF_TOKEN\"",
+                             KEYS_SECRET + KEYS_NOTE, KUBECTL_APPLY],
+    ("vllm", "skypilot"): [SKY_UP % " --secret HF_TOKEN", *SKY_GATEWAY],
+    ("vllm", "commands"): ["run each {out}/*.replica<k>.sh and *.rank<r>.sh on its node (pipelines: set "
+                           "CORAL_HEAD_ADDR to the rank-0 node's address)", COMMANDS_GATEWAY],
+    ("coral", "kuberay"): [KEYS_SECRET + ADMIN_SECRET + KEYS_NOTE, KUBECTL_APPLY + " (needs the KubeRay operator)"],
+    ("coral", "kubernetes"): [KEYS_SECRET + KEYS_NOTE, KUBECTL_APPLY],
+    ("coral", "skypilot"): [SKY_UP % "", *SKY_GATEWAY],
+    ("coral", "commands"): ["copy {out} to every machine; per instance run its .scheduler.sh, then each .node<r>.sh on "
+                            "a machine of its config (set CORAL_HEAD_ADDR to node 0's address and CORAL_SCHEDULER_ADDR "
+                            "to the scheduler's)", COMMANDS_GATEWAY],
 }
+"""What to run after `coral deploy --engine E --target T`, in order (`next_steps` then names the URL clients use)."""
 
-NEXT_STEP = {
-    "skypilot": "for f in {out}/*.sky.yaml; do sky serve up -y -n \"$(basename \"$f\" .sky.yaml)\" \"$f\" "
-                "--secret HF_TOKEN; done",
-    "kubernetes": "kubectl create secret generic hf-token --from-literal=token=\"$HF_TOKEN\"; kubectl apply -f {out}",
-    "commands": "run each {out}/*.sh on its node (pipelines: set CORAL_HEAD_ADDR to the rank-0 node's address)",
-}
+
+def next_steps(engine: str, target: str, out: Path, res: RenderResult) -> list[str]:
+    """The `next:` lines for the files `res` wrote to `out`: what to run, in order, ending at the gateway's URL."""
+    from coral.deploy import gateway
+
+    gw = res.gateways[0]
+    fields = {"out": shlex.quote(str(out)), "secret": gateway.GATEWAY_SECRET,
+              "keys_key": gateway.SECRET_KEYS[gateway.API_KEYS_ENV], "keys_env": gateway.API_KEYS_ENV,
+              "admin_key": gateway.SECRET_KEYS[gateway.ADMIN_TOKEN_ENV], "admin_env": gateway.ADMIN_TOKEN_ENV,
+              "fill": gateway.SKY_FILL_SCRIPT, "endpoints": gateway.ENDPOINTS_FILE, "script": gateway.COMMANDS_SCRIPT,
+              "gateway": gw.name, "gateway_file": gw.files[0], "port": gateway.GATEWAY_PORT}
+    steps = [step.format(**fields) for step in NEXT_STEPS[(engine, target)]]
+    urls = [f"{g.url} ({PORT_FORWARD.format(**{**fields, 'gateway': g.name})})" if target in ("kubernetes", "kuberay")
+            else g.url for g in res.gateways]
+    which = "" if len(urls) == 1 else "the gateway of their region's RayCluster, "
+    return [*steps, f"clients use {which}{' or '.join(urls)}, sending `Authorization: Bearer KEY` (KEY: one of "
+                    f"{gateway.API_KEYS_ENV})"]
 
 
 CORAL_ADVICE = ("The Coral engine launches every instance on --target kuberay or kubernetes (one pod per node, "
@@ -78,7 +107,9 @@ def register(app: typer.Typer) -> None:
     @app.command("deploy")
     @friendly_errors
     def deploy(
-        plan: Path = typer.Option(..., "--plan", help="plan JSON written by `coral allocate` or `coral run`"),
+        plan: Path | None = typer.Option(None, "--plan", help="plan JSON written by `coral allocate` or `coral run` "
+                                         "(default: the scenario's current plan, the one `coral run` chose)"),
+        scenario: str = typer.Option("core", help="without --plan: the scenario whose current plan to deploy"),
         target: str = typer.Option(..., "--target", help="vllm: skypilot | kubernetes | commands; coral: kuberay | "
                                    "kubernetes | skypilot | commands"),
         out: Path = typer.Option(..., "--out", help="directory for the manifests"),
@@ -90,12 +121,18 @@ def register(app: typer.Typer) -> None:
                                           "`coral.deploy.render.VLLM_IMAGE`, or `coral.deploy.coral_engine."
                                           "CORAL_IMAGE` with --engine coral: coral with the ray and engine extras "
                                           "and a CUDA torch)"),
-        strict: bool = typer.Option(False, help="also fail when only some instances of a model cannot be rendered"),
+        gateway_image: str | None = typer.Option(None, help="container image of the gateway, `coral gateway` (kubernetes, "
+                                                 "skypilot; default: --image with --engine coral, else "
+                                                 "`coral.deploy.coral_engine.CORAL_IMAGE`)"),
+        strict: bool = typer.Option(True, help="fail, writing nothing, when some instances cannot be rendered "
+                                    "(--no-strict: deploy the rest, with a warning naming the capacity lost)"),
     ) -> None:
-        """Render deployment manifests for every instance of a plan: stock vLLM, or the Coral engine.
+        """Render deployment manifests for every instance of a plan, stock vLLM or the Coral engine, and the gateway
+        in front of them: the single endpoint clients use.
 
-        Fails, writing nothing, when a (model, phase) of the plan would be left with no launchable instance.
-        A plan made with `--target` for this target is always launched whole."""
+        Fails, writing nothing, when a (model, phase) of the plan would be left with no launchable instance, and
+        (unless --no-strict) when any instance would be. A plan made with `--target` for this target is always
+        launched whole."""
         from rich.markup import escape
         from rich.table import Table
 
@@ -119,7 +156,12 @@ def register(app: typer.Typer) -> None:
                                   + (" (kuberay: --engine coral)" if target == "kuberay" else ""))
         elif checkpoint is not None:
             raise CoralInputError("--checkpoint: only with --engine coral (stock vLLM loads the model by name)")
+        if gateway_image is not None and target not in ("kubernetes", "skypilot"):
+            raise CoralInputError(f"--gateway-image: only with --target kubernetes or skypilot (on {target} the "
+                                  "gateway runs " + ("on the Ray head, in --image)" if target == "kuberay" else
+                                                     "where gateway.sh is run, with coral installed there)"))
         check_out_folder(out)
+        plan = plan_or_current(plan, scenario)
         try:
             p = Plan.load(plan)
         except CoralInputError as exc:
@@ -150,10 +192,11 @@ def register(app: typer.Typer) -> None:
                     lost[f"{inst.model}/{inst.phase}"] += inst.throughput
             detail = ", ".join(f"{k} loses {v:,.0f} tok/s" for k, v in lost.items())
             if strict:
-                raise CoralInputError(f"--strict: {len(skipped)} instance(s) cannot be rendered ({detail}). "
-                                      f"{advice()}")
+                raise CoralInputError(f"--strict (the default): {len(skipped)} instance(s) cannot be rendered ({detail}), so nothing "
+                                      f"was written (--no-strict deploys the rest). {advice()}")
             console.print(f"[yellow]warning[/]: {escape(f'planned capacity is reduced: {detail}. {advice()}')}")
-        res = render(p, target, out, catalog, image=image, engine=engine, checkpoint=checkpoint)
-        console.print(f"[green]wrote[/] {len(res.files)} file(s) to {out} (index.json lists them)")
-        steps = CORAL_NEXT_STEP if engine == "coral" else NEXT_STEP
-        console.print(f"next: {steps[target].format(out=out)}")
+        res = render(p, target, out, catalog, image=image, engine=engine, checkpoint=checkpoint,
+                     gateway_image=gateway_image)
+        console.print(f"[green]wrote[/] {len(res.files)} file(s) to {escape(str(out))} (index.json lists them)")
+        for step in next_steps(engine, target, out, res):
+            console.print(f"next: {escape(step)}")

@@ -55,9 +55,10 @@ def kept_on_interrupt(fn: F) -> F:
             return fn(*args, **kwargs)
         except KeyboardInterrupt:
             out, scenario = Path(kwargs.get("out", DEFAULT_OUT)), str(kwargs.get("scenario", "core"))
-            err_console.print(f"[yellow]interrupted:[/] nothing of this run was kept; {out / f'run-{Path(scenario).stem}'}"
-                              f" and the current plan ({current_plan_path(scenario, out)}) are the previous run's, "
-                              "unchanged")
+            market = kwargs.get("offerings")
+            folder = out / (f"run-{Path(scenario).stem}" + (f".offerings-{Path(market).stem}" if market else ""))
+            err_console.print(f"[yellow]interrupted:[/] nothing of this run was kept; {folder} and the current plan "
+                              f"({current_plan_path(scenario, out)}) are the previous run's, unchanged")
             raise typer.Exit(code=130) from None
 
     return wrapper  # type: ignore[return-value]
@@ -115,7 +116,8 @@ def run_cmd(
     t_start = time.perf_counter()
     console = out_console(as_json)
     sc, cat = scenario_and_market(scenario, offerings)
-    folder = out / f"run-{sc.name}"
+    # a run in another market (--offerings) never replaces the default one's outputs
+    folder = out / (f"run-{sc.name}" + (f".offerings-{offerings.stem}" if offerings is not None else ""))
     for note in stand_in_notes(sc):
         console.print(f"[yellow]note:[/] {note}")
     engine = "vllm" if target else engine  # every deploy target launches stock vLLM

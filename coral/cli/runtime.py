@@ -396,7 +396,8 @@ def register(app: typer.Typer) -> None:
     @friendly_errors
     def gateway(
         endpoints: Path = typer.Option(
-            ..., help="endpoints.json written by `coral deploy --target kubernetes`"
+            ..., help="endpoints.json written by `coral deploy` (filled by its sky-endpoints.sh or gateway.sh on skypilot "
+            "and commands)"
         ),
         host: str = typer.Option("127.0.0.1", help="bind address (0.0.0.0 exposes it: set API keys)"),
         port: int = typer.Option(8080),

@@ -29,14 +29,33 @@ class _NoAliasDumper(yaml.SafeDumper):
         return True
 
 
+@dataclass(frozen=True)
+class DeferredUrl:
+    """An engine URL known only once the engine runs (a SkyPilot load balancer, a machine's address): `expr`, a
+    bash word giving it, and `how`, what gives it (shown when it is missing or malformed)."""
+
+    expr: str
+    how: str
+
+
+@dataclass(frozen=True)
+class Gateway:
+    """The single client endpoint of a deployment: `name` (its Service or SkyPilot service), `url` (the OpenAI
+    API base clients use; a shell expression where it is known only once launched) and the files that run it."""
+
+    name: str
+    url: str
+    files: tuple[str, ...]
+
+
 @dataclass
 class RenderResult:
     files: list[Path] = field(default_factory=list)
     skipped: dict[str, str] = field(default_factory=dict)  # instance id -> reason
-    endpoints: list[EndpointSpec] = field(
-        default_factory=list
-    )  # kubernetes: one per Service (endpoints.json)
+    endpoints: list[EndpointSpec] = field(default_factory=list)  # one per rendered engine API (the gateway's file)
+    deferred: dict[str, DeferredUrl] = field(default_factory=dict)  # endpoint id -> its URL, once launched
     uncovered: list[tuple[str, str]] = field(default_factory=list)  # (model, phase) with no launchable instance
+    gateways: list[Gateway] = field(default_factory=list)  # one, or one per RayCluster (kuberay)
 
 
 def dns_name(*parts: str, limit: int = 50) -> str:

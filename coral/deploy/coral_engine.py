@@ -3,7 +3,8 @@ pipelines included, on real clusters. Targets (`CORAL_TARGETS`):
 
 - `kuberay`: one KubeRay `RayCluster` (ray.io/v1) per region of the plan. Its head runs Ray and the Coral controller
   and gateway (`coral serve <scenario> --backend coral --ray`, port `GATEWAY_PORT`, exposed by a Service
-  `<cluster>-gateway`); one worker group per node config the plan uses (`2xL40S`: pods pinned to that config's
+  `<cluster>-gateway`, the deployment's endpoint; its keys and admin token from the Secret `coral-gateway`); one
+  worker group per node config the plan uses (`2xL40S`: pods pinned to that config's
   instance type with 2 GPUs), each worker offering one unit of the Ray custom resource `coral-node/<config>`, which
   is what the Ray backend requests for a node of that config. Worker groups start with as many pods as the plan has
   nodes of that config (`replicas` = `maxReplicas`, `minReplicas` 0): raise `maxReplicas` by hand to let the Ray
@@ -11,10 +12,12 @@ pipelines included, on real clusters. Targets (`CORAL_TARGETS`):
 - `kubernetes`: the engine without Ray. Per instance, a headless Service `<instance>-rdzv` (stable DNS names for
   its pods: `scheduler.<instance>-rdzv`, `node-<r>.<instance>-rdzv`), a one-pod Deployment for its scheduler (no
   GPU) and a one-pod Deployment per node, rank r counting the plan's nodes in stage order, pinned to its config's
-  instance type. `endpoints.json` points `coral gateway` at each instance's scheduler.
+  instance type. The gateway (`coral.deploy.gateway`) routes to each instance's scheduler.
 - `skypilot`: one SkyPilot service per instance whose nodes all share one node config (`num_nodes` = nodes, node r
   = `$SKYPILOT_NODE_RANK`, rank 0 also runs the scheduler); instances mixing node configs are listed as skipped.
-- `commands`: per instance a scheduler script and one script per node, beside a copy of the plan.
+  The gateway's endpoints are the services' URLs, filled in once they are up.
+- `commands`: per instance a scheduler script and one script per node, beside a copy of the plan; the gateway's
+  endpoints are the schedulers' machines.
 
 The plan travels as a ConfigMap mounted at `PLAN_DIR` (kubernetes, kuberay), a SkyPilot file mount, or `plan.json`
 beside the scripts. The checkpoint is not shipped: `checkpoint` is its directory as every node sees it (baked into
@@ -36,6 +39,7 @@ from coral.catalog.schema import parse_config_name
 from coral.deploy.common import (
     READINESS_DELAY_S,
     SKY_NODE_ADDR,
+    Gateway,
     RenderResult,
     dns_name,
     endpoint_spec,
@@ -45,6 +49,17 @@ from coral.deploy.common import (
     skypilot_resources,
     uncovered_keys,
     writer,
+)
+from coral.deploy.gateway import (
+    ADMIN_TOKEN_ENV,
+    API_KEYS_ENV,
+    GATEWAY_PORT,
+    READ_TOKENS_ENV,
+    add_deferred,
+    gateway_service,
+    machine_url,
+    secret_env,
+    sky_url,
 )
 from coral.deploy.shell import (
     HEAD_ADDR_VAR,
@@ -66,7 +81,6 @@ PLAN_PATH = f"{PLAN_DIR}/plan.json"
 HTTP_PORT = 8000  # an instance's scheduler: OpenAI API
 RESULTS_PORT = 5555  # the scheduler's results socket (nodes push finished tokens to it)
 RDZV_PORT = 29500  # torch.distributed rendezvous, on node 0
-GATEWAY_PORT = 8080  # `coral serve` on the Ray head
 _CHECKPOINT = re.compile(r"^/[A-Za-z0-9._/+:@=-]*$")
 
 
@@ -176,6 +190,7 @@ def raycluster(plan: Plan, name: str, catalog: Catalog, image: str, checkpoint: 
                     "command": ["/bin/bash", "-c", "--"],
                     "args": [k8s_literal(head_script(plan.scenario, checkpoint))],  # bash gets it as written
                     "ports": head_ports,
+                    "env": secret_env(API_KEYS_ENV, ADMIN_TOKEN_ENV, READ_TOKENS_ENV),  # `coral serve` reads them
                     "volumeMounts": [_PLAN_MOUNT],
                 }],
                 "volumes": [_plan_volume(configmap)],
@@ -203,10 +218,14 @@ def raycluster(plan: Plan, name: str, catalog: Catalog, image: str, checkpoint: 
         })
     cluster = {"apiVersion": "ray.io/v1", "kind": "RayCluster", "metadata": {"name": name, "labels": labels},
                "spec": {"headGroupSpec": head, "workerGroupSpecs": groups}}
-    gateway = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": dns_name(name, "gateway", limit=63)},
-               "spec": {"selector": {"ray.io/cluster": name, "ray.io/node-type": "head"},
-                        "ports": [{"name": "http", "port": GATEWAY_PORT, "targetPort": GATEWAY_PORT}]}}
+    gateway = gateway_service(cluster_gateway(name), {"ray.io/cluster": name, "ray.io/node-type": "head"},
+                              {**labels, "app.kubernetes.io/component": "gateway"})
     return [cluster, gateway]
+
+
+def cluster_gateway(cluster: str) -> str:
+    """The Service of the gateway on RayCluster `cluster`'s head."""
+    return dns_name(cluster, "gateway", limit=63)
 
 
 # --- kubernetes ---------------------------------------------------------------------------------------------
@@ -343,8 +362,11 @@ def render_into(plan: Plan, target: str, out: Path, cat: Catalog, image: str, ch
                 update={"instances": [i for i in plan.instances if i.region == region]})
             name = dns_name("coral", plan.scenario, *([region] if len(regions) > 1 else []), limit=40)
             configmap = dns_name(name, "plan", limit=63)
-            write(f"{name}.raycluster.k8s.yaml", [plan_configmap(configmap, part),
-                                                  *raycluster(part, name, cat, image, checkpoint, configmap, region)])
+            file = f"{name}.raycluster.k8s.yaml"
+            write(file, [plan_configmap(configmap, part),
+                         *raycluster(part, name, cat, image, checkpoint, configmap, region)])
+            res.gateways.append(Gateway(cluster_gateway(name), f"http://{cluster_gateway(name)}:{GATEWAY_PORT}/v1",
+                                        (file,)))
     elif target == "kubernetes":
         configmap = dns_name("coral-plan", plan.scenario, limit=63)
         write(f"{configmap}.k8s.yaml", [plan_configmap(configmap, plan)])
@@ -358,9 +380,12 @@ def render_into(plan: Plan, target: str, out: Path, cat: Catalog, image: str, ch
         for inst in plan.instances:
             if inst.id in res.skipped:
                 continue
+            base = instance_name(inst)
             if target == "skypilot":
-                write(f"{instance_name(inst)}.sky.yaml", [skypilot_instance(inst, cat, image, checkpoint)])
+                write(f"{base}.sky.yaml", [skypilot_instance(inst, cat, image, checkpoint)])
+                add_deferred(res, base, inst, inst.throughput, sky_url(base))
             else:
                 for role, text in instance_scripts(inst, checkpoint).items():
-                    write(f"{instance_name(inst)}.{role}.sh", text)
+                    write(f"{base}.{role}.sh", text)
+                add_deferred(res, base, inst, inst.throughput, machine_url(base, f"{base}.scheduler.sh", HTTP_PORT))
     return res

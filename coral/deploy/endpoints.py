@@ -1,8 +1,10 @@
-"""The endpoints file: where each rendered replica set answers, for a gateway in front of a deployment.
+"""The endpoints file: where each rendered engine API answers, for the gateway in front of a deployment.
 
-`coral deploy --target kubernetes` writes `endpoints.json` (one row per Service, weight = planned tokens/s
-behind it, and per request class when the plan has classes); `coral gateway --endpoints endpoints.json` serves
-the OpenAI API over them.
+`coral deploy` writes it for every target but KubeRay (one row per engine API: a Service, a SkyPilot service, a node
+script's replica; weight = planned tokens/s behind it, and per request class when the plan has classes): as
+`endpoints.json` where the URLs are known when rendering (Kubernetes), else as `endpoints.template.json`, which a
+rendered script fills in (`coral.deploy.gateway`); `coral gateway --endpoints endpoints.json` serves the OpenAI API
+over them.
 """
 
 from __future__ import annotations

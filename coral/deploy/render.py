@@ -11,6 +11,10 @@ its rank by `$SKYPILOT_NODE_RANK`); other pipelines are listed as skipped for th
 `coral.templates.engines.DEPLOY_TARGETS`, which also restricts planning with `--target`). The `commands` target
 writes one script per node.
 
+Every target also gets the gateway (`coral.deploy.gateway`): the deployment's single client endpoint, routing to
+every rendered engine API (a replica set's Service or SkyPilot service, a pipeline's rank 0, a node script's
+replica), prefill then decode.
+
 With `engine="coral"` the Coral engine is deployed instead (`coral.deploy.coral_engine`: KubeRay, Kubernetes,
 SkyPilot and scripts), through the same checks, staging and index.
 
@@ -33,7 +37,7 @@ from pydantic import ValidationError
 from coral.allocation.plan import Plan, PlanInstance
 from coral.catalog.loader import Catalog, CoralInputError, builtin_catalog, format_validation_error
 from coral.catalog.schema import ModelArch, NodeOffering, parse_config_name
-from coral.deploy import coral_engine
+from coral.deploy import coral_engine, gateway
 from coral.deploy.common import (
     READINESS_DELAY_S,
     SKY_NODE_ADDR,
@@ -47,7 +51,6 @@ from coral.deploy.common import (
     uncovered_keys,
     writer,
 )
-from coral.deploy.endpoints import EndpointsFile
 from coral.deploy.shell import HEAD_ADDR_VAR, NODE_ADDR_VAR, SKY_RANK_VAR, k8s_word
 from coral.deploy.vllm import (
     NIXL_SIDE_CHANNEL_PORT,
@@ -322,13 +325,15 @@ def node_script(inst: PlanInstance, launch: NodeLaunch) -> str:
 # --- writing ---------------------------------------------------------------------------------------------
 def render(
     plan: Plan, target: str, out_dir: str | Path, catalog: Catalog | None = None, image: str | None = None,
-    engine: str = "vllm", checkpoint: str | None = None,
+    engine: str = "vllm", checkpoint: str | None = None, gateway_image: str | None = None,
 ) -> RenderResult:
-    """Write the manifests of `plan` for `target` into `out_dir` (plus `index.json`); returns files and skips.
+    """Write the manifests of `plan` for `target` and its gateway into `out_dir` (plus `index.json` and the
+    gateway's endpoints file); returns files, skips and the gateway.
 
     `engine`: `vllm` (stock vLLM, `TARGETS`, image default `VLLM_IMAGE`) or `coral` (the Coral engine,
     `coral.deploy.coral_engine.CORAL_TARGETS`, image default `CORAL_IMAGE`, `checkpoint` required: the checkpoint
-    directory as the nodes see it). The whole plan is checked first (`check_plan`); files are rendered into a
+    directory as the nodes see it). `gateway_image` runs `coral gateway` (default: `image` with the Coral engine,
+    else `CORAL_IMAGE`). The whole plan is checked first (`check_plan`); files are rendered into a
     temporary folder beside `out_dir` and moved into it only once every one rendered, so a failure leaves `out_dir`
     as it was."""
     if engine not in ("vllm", "coral"):
@@ -348,6 +353,8 @@ def render(
             res = coral_engine.render_into(plan, target, staging, cat, image or coral_engine.CORAL_IMAGE, checkpoint)
         else:
             res = _render_into(plan, cast(Target, target), staging, cat, image or VLLM_IMAGE)
+        gw_image = gateway_image or (image if engine == "coral" and image else coral_engine.CORAL_IMAGE)
+        gateway.add_gateway(plan, target, res, writer(staging, res), cat, gw_image)
         write_index(staging, res, plan, target, engine)
         out.mkdir(exist_ok=True)
         for f in sorted(staging.iterdir()):
@@ -359,13 +366,15 @@ def render(
 
 
 def write_index(out: Path, res: RenderResult, plan: Plan, target: str, engine: str) -> None:
-    """`endpoints.json` (when there are endpoints) and `index.json` (files, skips, uncovered) into `out`."""
+    """The gateway's endpoints file (when there are engines: `endpoints.json`, or its template when URLs are known
+    only once launched) and `index.json` (files, gateway and engines, skips, uncovered) into `out`."""
     if res.endpoints:
-        EndpointsFile(endpoints=res.endpoints, request_classes=plan.request_classes).save(out / "endpoints.json")
+        name = gateway.ENDPOINTS_TEMPLATE if res.deferred else gateway.ENDPOINTS_FILE
+        gateway.endpoints_file(plan, res).save(out / name)
     index = {
         "target": target,
         "engine": engine,
-        "endpoints": "endpoints.json" if res.endpoints else None,
+        "endpoints": gateway.index_entry(res),
         "scenario": plan.scenario,
         "files": [p.name for p in res.files],
         "skipped": res.skipped,
@@ -389,6 +398,7 @@ def _render_into(plan: Plan, target: Target, out: Path, cat: Catalog, image: str
             for name, (launch, replicas, weight) in replica_groups(insts, cat, use_push).items():
                 if target == "skypilot":
                     write(f"{name}.sky.yaml", [skypilot_service(first, launch, name, replicas, cat, image)])
+                    gateway.add_deferred(res, name, first, weight, gateway.sky_url(name))
                 else:
                     write(f"{name}.k8s.yaml", k8s_deployment(first, launch, name, replicas, cat, image))
                     res.endpoints.append(endpoint_spec(name, first, weight))
@@ -396,6 +406,7 @@ def _render_into(plan: Plan, target: Target, out: Path, cat: Catalog, image: str
             name = group_name(first)
             launches = launch_commands(first, cat.model(first.model), push=use_push)
             write(f"{name}.sky.yaml", [skypilot_pipeline(first, launches, name, len(insts), cat, image)])
+            gateway.add_deferred(res, name, first, sum(i.throughput for i in insts), gateway.sky_url(name))
         elif target == "kubernetes":
             for k, inst in enumerate(insts):
                 docs = k8s_pipeline(inst, k, cat, image, use_push)
@@ -405,5 +416,10 @@ def _render_into(plan: Plan, target: Target, out: Path, cat: Catalog, image: str
             for inst in insts:
                 for nl in launch_commands(inst, cat.model(inst.model), push=use_push):
                     role = f"rank{nl.rank}" if len(inst.stages) > 1 else f"replica{nl.replica}"
-                    write(f"{dns_name(inst.id, limit=60)}.{role}.sh", node_script(inst, nl))
+                    script = f"{dns_name(inst.id, limit=60)}.{role}.sh"
+                    write(script, node_script(inst, nl))
+                    if nl.rank == 0:  # serves the API: a single-stage replica, or a pipeline's rank 0
+                        eid = dns_name(inst.id, role, limit=60)
+                        weight = inst.throughput if len(inst.stages) > 1 else inst.stages[0].node_throughput[nl.replica]
+                        gateway.add_deferred(res, eid, inst, weight, gateway.machine_url(eid, script, VLLM_PORT))
     return res
