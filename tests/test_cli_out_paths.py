@@ -18,7 +18,7 @@ def plan_file(folder: Path) -> Path:
 
 
 FOLDER_OUT = [  # commands whose --out is a folder (the plan file is `{plan}`)
-    ["deploy", "--plan", "{plan}", "--target", "commands"],
+    ["deploy", "--engine", "vllm", "--plan", "{plan}", "--target", "commands"],
     ["deploy", "--plan", "{plan}", "--target", "kuberay", "--engine", "coral", "--checkpoint", "/ckpt"],
     ["allocate", "core"],
     ["experiment", "default"],

@@ -330,22 +330,22 @@ def test_deploy_cli(tmp_path):
     nothing; deployed without it, with a warning naming the capacity lost, with --no-strict."""
     plan_path = sample_plan().save(tmp_path / "plan.json")
     out = tmp_path / "k8s"
-    r = CliRunner().invoke(app, ["deploy", "--plan", str(plan_path), "--target", "kubernetes", "--out", str(out)])
+    r = CliRunner().invoke(app, ["deploy", "--engine", "vllm", "--plan", str(plan_path), "--target", "kubernetes", "--out", str(out)])
     text = " ".join(r.output.split())
     assert r.exit_code == 2 and not out.exists()
     assert "--strict (the default): 1 instance(s) cannot be rendered (qwen3-32b/decode loses 300 tok/s)" in text
     assert "nothing was written (--no-strict deploys the rest)" in text
     r = CliRunner().invoke(
-        app, ["deploy", "--plan", str(plan_path), "--target", "kubernetes", "--out", str(out), "--no-strict"]
+        app, ["deploy", "--engine", "vllm", "--plan", str(plan_path), "--target", "kubernetes", "--out", str(out), "--no-strict"]
     )
     assert r.exit_code == 0, r.output
     assert (out / "index.json").exists() and "cannot launch" in r.output and "capacity is reduced" in r.output
     r = CliRunner().invoke(
-        app, ["deploy", "--plan", str(plan_path), "--target", "kubernetes", "--out", str(tmp_path / "s"), "--strict"]
+        app, ["deploy", "--engine", "vllm", "--plan", str(plan_path), "--target", "kubernetes", "--out", str(tmp_path / "s"), "--strict"]
     )
     assert r.exit_code != 0 and not (tmp_path / "s").exists()
     r = CliRunner().invoke(
-        app, ["deploy", "--plan", str(tmp_path / "nope.json"), "--target", "kubernetes", "--out", str(out)]
+        app, ["deploy", "--engine", "vllm", "--plan", str(tmp_path / "nope.json"), "--target", "kubernetes", "--out", str(out)]
     )
     assert r.exit_code == 2
 
@@ -355,7 +355,7 @@ def test_deploy_cli(tmp_path):
 def test_a_plan_without_instances_is_refused(tmp_path, target):
     path = make_plan([], scenario="core").save(tmp_path / "plan.json")
     out = tmp_path / "out"
-    r = CliRunner().invoke(app, ["deploy", "--plan", str(path), *target, "--out", str(out)])
+    r = CliRunner().invoke(app, ["deploy", "--engine", "vllm", "--plan", str(path), *target, "--out", str(out)])
     assert r.exit_code == 2 and "nothing to deploy" in r.output and not out.exists()
     with pytest.raises(CoralInputError, match="instances: the plan has none"):
         render(make_plan([], scenario="core"), "commands", out)
@@ -371,7 +371,7 @@ def test_deploy_fails_and_writes_nothing_when_a_phase_is_left_uncovered(tmp_path
     )
     plan_path = plan.save(tmp_path / "plan.json")
     out = tmp_path / "out"
-    r = CliRunner().invoke(app, ["deploy", "--plan", str(plan_path), "--target", "commands", "--out", str(out)])
+    r = CliRunner().invoke(app, ["deploy", "--engine", "vllm", "--plan", str(plan_path), "--target", "commands", "--out", str(out)])
     assert r.exit_code != 0
     text = " ".join(r.output.split())
     assert "phi-4/decode" in text and "`coral allocate core --target commands`" in text
@@ -477,7 +477,7 @@ def test_unsafe_ids_and_names_are_refused_by_the_plan_schema(tmp_path, field, va
     path = tmp_path / "plan.json"
     path.write_text(json.dumps(doc))
     out = tmp_path / "out"
-    r = CliRunner().invoke(app, ["deploy", "--plan", str(path), "--target", "commands", "--out", str(out)])
+    r = CliRunner().invoke(app, ["deploy", "--engine", "vllm", "--plan", str(path), "--target", "commands", "--out", str(out)])
     assert r.exit_code == 2, r.output
     assert "String should match pattern" in r.output and not out.exists()
 
@@ -526,7 +526,7 @@ def test_deploy_checks_the_whole_plan_and_writes_nothing(tmp_path, doc, why, tar
     path = tmp_path / "plan.json"
     path.write_text(json.dumps(doc))
     out = tmp_path / "out"
-    r = CliRunner().invoke(app, ["deploy", "--plan", str(path), "--target", target, "--out", str(out)])
+    r = CliRunner().invoke(app, ["deploy", "--engine", "vllm", "--plan", str(path), "--target", target, "--out", str(out)])
     assert r.exit_code == 2, r.output
     assert why in " ".join(r.output.split()) and "nothing was written" in r.output
     assert not out.exists() and "Traceback" not in r.output
@@ -579,7 +579,7 @@ def test_a_plan_made_for_a_target_deploys_whole(core_out, tmp_path, target):
     path = core_out / f"core.cost.coral.{target}.plan.json"
     plan = Plan.load(path)
     assert (plan.engine, plan.target) == ("vllm", target)
-    r = runner.invoke(app, ["deploy", "--plan", str(path), "--target", target, "--out", str(tmp_path / "d"),
+    r = runner.invoke(app, ["deploy", "--engine", "vllm", "--plan", str(path), "--target", target, "--out", str(tmp_path / "d"),
                             "--strict"])
     assert r.exit_code == 0, r.output
     index = json.loads((tmp_path / "d" / "index.json").read_text())
@@ -602,7 +602,7 @@ def test_a_plan_made_for_a_target_deploys_whole(core_out, tmp_path, target):
             assert check.returncode == 0, check.stdout + check.stderr
         r = runner.invoke(app, ["allocate", "core", "--out", str(core_out)])
         assert r.exit_code == 0, r.output
-        r = runner.invoke(app, ["deploy", "--plan", str(core_out / "core.cost.coral.plan.json"), "--target", target,
+        r = runner.invoke(app, ["deploy", "--engine", "vllm", "--plan", str(core_out / "core.cost.coral.plan.json"), "--target", target,
                                 "--out", str(tmp_path / "s"), "--strict"])
         text = " ".join(r.output.split())
         assert r.exit_code == 2 and "`coral allocate core --target skypilot`" in text and "--engine" not in text
@@ -613,11 +613,11 @@ def test_advice_never_repeats_the_flags_of_a_plan_made_for_the_target(tmp_path):
     the advice says so instead of proposing the command that made it as a fix."""
     plan = make_plan([hetero_pipeline()], scenario="core").model_copy(update={"engine": "vllm", "target": "skypilot"})
     path = plan.save(tmp_path / "plan.json")
-    r = CliRunner().invoke(app, ["deploy", "--plan", str(path), "--target", "skypilot", "--out", str(tmp_path / "o")])
+    r = CliRunner().invoke(app, ["deploy", "--engine", "vllm", "--plan", str(path), "--target", "skypilot", "--out", str(tmp_path / "o")])
     text = " ".join(r.output.split())
     assert r.exit_code == 2 and "changed after planning" in text and "Plan for this target" not in text
     mode_method = plan.model_copy(update={"target": None, "mode": "goodput", "method": "homo-ilp"})
-    r = CliRunner().invoke(app, ["deploy", "--plan", str(mode_method.save(tmp_path / "p2.json")), "--target",
+    r = CliRunner().invoke(app, ["deploy", "--engine", "vllm", "--plan", str(mode_method.save(tmp_path / "p2.json")), "--target",
                                  "skypilot", "--out", str(tmp_path / "o")])
     text = " ".join(r.output.split())
     assert "`coral allocate core --mode goodput --method homo-ilp --target skypilot`" in text

@@ -167,7 +167,7 @@ def test_the_gateway_pod_changes_with_its_endpoints(tmp_path):
 
 def test_gateway_image_is_an_option(tmp_path):
     path = pd_plan().save(tmp_path / "plan.json")
-    r = CliRunner().invoke(app, ["deploy", "--plan", str(path), "--target", "commands", "--out", str(tmp_path / "o"),
+    r = CliRunner().invoke(app, ["deploy", "--engine", "vllm", "--plan", str(path), "--target", "commands", "--out", str(tmp_path / "o"),
                                  "--gateway-image", "me/coral:cpu"])
     assert r.exit_code == 2 and "--gateway-image: only with --target kubernetes or skypilot" in r.output
     assert not (tmp_path / "o").exists()
@@ -351,11 +351,11 @@ def test_a_plan_losing_capacity_is_refused_by_default(tmp_path):
     plan.instances.append(make_instance("qwen3-32b", "decode", [(32, ["1xL4"]), (32, ["1xL4"])], 300.0, template_id=7))
     path = plan.save(tmp_path / "plan.json")
     out = tmp_path / "out"
-    r = CliRunner().invoke(app, ["deploy", "--plan", str(path), "--target", "kubernetes", "--out", str(out)])
+    r = CliRunner().invoke(app, ["deploy", "--engine", "vllm", "--plan", str(path), "--target", "kubernetes", "--out", str(out)])
     text = " ".join(r.output.split())
     assert r.exit_code == 2 and "qwen3-32b/decode loses 300 tok/s" in text and "--no-strict" in text
     assert not out.exists()
-    r = CliRunner().invoke(app, ["deploy", "--plan", str(path), "--target", "kubernetes", "--out", str(out),
+    r = CliRunner().invoke(app, ["deploy", "--engine", "vllm", "--plan", str(path), "--target", "kubernetes", "--out", str(out),
                                  "--no-strict"])
     assert r.exit_code == 0 and "capacity is reduced" in r.output and (out / "index.json").exists()
 
@@ -366,7 +366,7 @@ def test_deploy_takes_the_scenarios_current_plan_by_default(tmp_path, monkeypatc
     assert not current.is_absolute()  # under the working directory: tmp_path
     current.parent.mkdir(parents=True)
     pd_plan().save(current)
-    r = CliRunner().invoke(app, ["deploy", "--target", "skypilot", "--out", "d"])
+    r = CliRunner().invoke(app, ["deploy", "--engine", "vllm", "--target", "skypilot", "--out", "d"])
     assert r.exit_code == 0, r.output
     assert f"plan: {current} (the current plan of core" in " ".join(r.output.split())
     assert set(index_of(tmp_path / "d")["endpoints"]["engines"]) == {
@@ -374,17 +374,38 @@ def test_deploy_takes_the_scenarios_current_plan_by_default(tmp_path, monkeypatc
         "qwen3-32b-decode-t4-aws-us-east-2"}
     other = make_plan([make_instance("phi-4", "prefill", [(40, ["1xL40S"])], 10.0, template_id=9)], scenario="mine")
     given = other.save(tmp_path / "given.json")
-    r = CliRunner().invoke(app, ["deploy", "--plan", str(given), "--target", "kubernetes", "--out", "g"])
+    r = CliRunner().invoke(app, ["deploy", "--engine", "vllm", "--plan", str(given), "--target", "kubernetes", "--out", "g"])
     assert r.exit_code == 0 and "current plan" not in r.output  # a given plan wins
     assert index_of(tmp_path / "g")["scenario"] == "mine"
     other.save(current_plan_path("mine"))
-    r = CliRunner().invoke(app, ["deploy", "--scenario", "mine", "--target", "kubernetes", "--out", "m"])
+    r = CliRunner().invoke(app, ["deploy", "--engine", "vllm", "--scenario", "mine", "--target", "kubernetes", "--out", "m"])
     assert r.exit_code == 0 and index_of(tmp_path / "m")["scenario"] == "mine"
 
 
 def test_deploy_without_a_plan_or_a_current_one_names_plan(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    r = CliRunner().invoke(app, ["deploy", "--target", "skypilot", "--out", "d"])
+    r = CliRunner().invoke(app, ["deploy", "--engine", "vllm", "--target", "skypilot", "--out", "d"])
     text = " ".join(r.output.split())
     assert r.exit_code == 2 and "--plan: not given, and core has no current plan" in text
     assert "`coral run core`" in text and not (tmp_path / "d").exists() and not (tmp_path / "out").exists()
+
+
+def test_deploy_launches_the_engine_the_plan_was_made_for_unless_told(tmp_path, monkeypatch):
+    """`coral run`'s plan (made for the Coral engine) deploys the Coral engine, saying so; a plan made for stock
+    vLLM deploys vLLM; --engine overrides either."""
+    monkeypatch.chdir(tmp_path)
+    path = pd_plan().save(tmp_path / "p.json")
+    r = CliRunner().invoke(app, ["deploy", "--plan", str(path), "--target", "kubernetes", "--out", "c"])
+    text = " ".join(r.output.split())
+    assert r.exit_code == 2 and "engine: the Coral engine, the one the plan was made for" in text
+    assert "--checkpoint: required with --engine coral" in text and not (tmp_path / "c").exists()
+    r = CliRunner().invoke(app, ["deploy", "--plan", str(path), "--target", "kubernetes", "--out", "c",
+                                 "--checkpoint", "/models/ckpt"])
+    assert r.exit_code == 0, r.output
+    assert index_of(tmp_path / "c")["engine"] == "coral"
+    vllm_plan = pd_plan()
+    vllm_plan.engine = "vllm"
+    r = CliRunner().invoke(app, ["deploy", "--plan", str(vllm_plan.save(tmp_path / "v.json")), "--target",
+                                 "kubernetes", "--out", "v"])
+    assert r.exit_code == 0 and "engine: stock vLLM, the one the plan was made for" in " ".join(r.output.split())
+    assert index_of(tmp_path / "v")["engine"] == "vllm"

@@ -11,7 +11,14 @@ from typing import TYPE_CHECKING, cast
 import typer
 
 from coral.catalog.loader import CoralInputError
-from coral.cli.common import DEFAULT_OUT, check_out_folder, console, friendly_errors, plan_or_current
+from coral.cli.common import (
+    DEFAULT_OUT,
+    check_out_folder,
+    console,
+    err_console,
+    friendly_errors,
+    plan_or_current,
+)
 
 if TYPE_CHECKING:
     from coral.allocation.plan import Plan
@@ -113,8 +120,10 @@ def register(app: typer.Typer) -> None:
         target: str = typer.Option(..., "--target", help="vllm: skypilot | kubernetes | commands; coral: kuberay | "
                                    "kubernetes | skypilot | commands"),
         out: Path = typer.Option(..., "--out", help="directory for the manifests"),
-        engine: str = typer.Option("vllm", "--engine", help="vllm (stock vLLM) | coral (the Coral engine: every "
-                                   "instance, heterogeneous pipelines included)"),
+        engine: str | None = typer.Option(None, "--engine", help="vllm (stock vLLM) | coral (the Coral engine: "
+                                          "every instance, heterogeneous pipelines included) (default: the engine "
+                                          "the plan was made for: coral for `coral run` and `coral allocate` plans, "
+                                          "vllm for those made with --engine vllm or --target)"),
         checkpoint: str | None = typer.Option(None, help="--engine coral: the checkpoint directory as every node "
                                               "sees it (absolute path, in the image or on a mounted volume)"),
         image: str | None = typer.Option(None, help="container image (kubernetes, kuberay, skypilot; default: "
@@ -147,8 +156,18 @@ def register(app: typer.Typer) -> None:
             uncovered_keys,
         )
 
-        if engine not in ("vllm", "coral"):
+        if engine is not None and engine not in ("vllm", "coral"):
             raise CoralInputError(f"--engine: must be vllm or coral, not {engine!r}")
+        check_out_folder(out)
+        plan = plan_or_current(plan, scenario)
+        try:
+            p = Plan.load(plan)
+        except CoralInputError as exc:
+            raise CoralInputError(f"{exc}\nnothing was written") from exc
+        if engine is None:
+            engine = p.engine
+            err_console.print(f"engine: {'the Coral engine' if engine == 'coral' else 'stock vLLM'}, the one the plan "
+                              f"was made for (--engine {'vllm' if engine == 'coral' else 'coral'} for the other)")
         if engine == "coral":
             coral_engine.check_target(target, checkpoint)
         elif target not in TARGETS:
@@ -160,12 +179,6 @@ def register(app: typer.Typer) -> None:
             raise CoralInputError(f"--gateway-image: only with --target kubernetes or skypilot (on {target} the "
                                   "gateway runs " + ("on the Ray head, in --image)" if target == "kuberay" else
                                                      "where gateway.sh is run, with coral installed there)"))
-        check_out_folder(out)
-        plan = plan_or_current(plan, scenario)
-        try:
-            p = Plan.load(plan)
-        except CoralInputError as exc:
-            raise CoralInputError(f"{exc}\nnothing was written") from exc
         catalog = builtin_catalog()
         check_plan(p, catalog, f"--plan {plan}")
         who = "the Coral engine" if engine == "coral" else "stock vLLM"
