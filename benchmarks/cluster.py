@@ -42,13 +42,13 @@ from coral.allocation.plan import Plan
 from coral.cli.runtime import build_runtime
 from coral.runtime.controller import Store
 from coral.runtime.coral_backend import CoralEngineBackend
-from coral.runtime.handmade import make_instance, make_plan
+from coral.runtime.handmade import make_instance, make_plan, two_gpu_catalog
 from coral.runtime.ray_backend import LocalRayCluster, RayCoralBackend
 from coral.runtime.server import ServerThread
 
-PREFILL = make_instance("phi-4", "prefill", [(40, ["2xL40S"]), (24, ["1xL4"])], 6000.0, template_id=1)
-DECODE = make_instance("phi-4", "decode", [(16, ["1xL4"]), (48, ["1xL4", "2xA10G"])], 500.0, template_id=2)
-DECODE_B = make_instance("phi-4", "decode", [(32, ["1xL4"]), (32, ["1xL4"])], 500.0, template_id=3)
+PREFILL = make_instance("phi-4", "prefill", [(24, ["2xL40S"]), (16, ["1xL4"])], 6000.0, template_id=1)
+DECODE = make_instance("phi-4", "decode", [(16, ["1xL4"]), (24, ["1xL4", "2xA10G"])], 500.0, template_id=2)
+DECODE_B = make_instance("phi-4", "decode", [(20, ["1xL4"]), (20, ["1xL4"])], 500.0, template_id=3)
 PLAN = make_plan([PREFILL, DECODE])
 RAYLETS = Counter({"2xL40S": 1, "1xL4": 5, "2xA10G": 2})  # the plan, a second decode instance and a spare
 PROMPT = [11, 52, 300, 7, 8, 9, 10, 11]
@@ -60,7 +60,8 @@ class Served:
     def __init__(self, make: Callable[[str], CoralEngineBackend], db: Path) -> None:
         store = Store(db)
         backend = self.backend = make(store.engine_token())
-        app, self.controller = build_runtime(lambda: PLAN, store, backend, 3600.0, ready_timeout_s=300)
+        app, self.controller = build_runtime(lambda: PLAN, store, backend, 3600.0, ready_timeout_s=300,
+                                             catalog=two_gpu_catalog)
         self.controller.retry_s = 0.5
         self.server = ServerThread(app).start()
         self.url = self.server.url

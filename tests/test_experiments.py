@@ -128,11 +128,13 @@ def test_offerings_file_replaces_the_market_from_the_cli_and_the_scenario(out: P
     dear.write_text(yaml.safe_dump(shipped))
     runner = CliRunner()
     costs = []
-    for args in ([], ["--offerings", str(dear)]):
+    for args, name in (([], "core.cost.coral.plan.json"),
+                       (["--offerings", str(dear)], "core.cost.coral.offerings-dear.plan.json")):
         res = runner.invoke(app, ["allocate", "core", "--out", str(out), "--gap", "1e-9", *args])
         assert res.exit_code == 0, res.output
-        costs.append(Plan.load(out / "core.cost.coral.plan.json").cost_per_hour)
+        costs.append(Plan.load(out / name).cost_per_hour)
     assert costs[1] == pytest.approx(2 * costs[0])
+    assert Plan.load(out / "core.cost.coral.plan.json").cost_per_hour == costs[0]  # the default plan is kept
     scenario = yaml.safe_load(data_path("scenarios", "core.yaml").read_text())
     (tmp_path / "core.yaml").write_text(yaml.safe_dump({**scenario, "offerings": "dear.yaml"}))
     sc = load_scenario(tmp_path / "core.yaml")

@@ -24,6 +24,7 @@ from test_runtime_gateway import FAST, chat, sse_events, stack
 
 from coral.catalog.loader import CoralInputError
 from coral.cli.runtime import build_runtime
+from coral.openai_shapes import error_type
 from coral.runtime.backends import EmulatedBackend
 from coral.runtime.controller import Controller, Store, controller_router
 from coral.runtime.emulated import EngineTiming, create_engine_app
@@ -227,6 +228,32 @@ def test_slow_headers_and_bodies_are_cut_off(http):
         srv.stop()
 
 
+@pytest.mark.parametrize("http", ["h11", "httptools"])
+def test_a_request_framed_by_both_content_length_and_transfer_encoding_is_refused(http):
+    """Both headers (the request-smuggling ambiguity of RFC 9112 section 6.1) get 400 naming them before routing
+    or credentials, and the connection is closed (`raw_exchange` reads until it is)."""
+    if http == "httptools":
+        pytest.importorskip("httptools")
+    app = create_gateway_app(Registry(), GatewayConfig().with_api_keys([KEY]), health_checks=False)
+    srv = ServerThread(app, http=http).start()
+    try:
+        body = b'{"model": "m", "prompt": "x"}'
+        head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+        chunked = b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body)
+        for framing in (b"Content-Length: %d\r\nTransfer-Encoding: chunked\r\n" % len(body),
+                        b"transfer-encoding: chunked\r\ncontent-length: 5\r\n"):
+            answer = raw_exchange(srv.url, head + framing + b"\r\n" + chunked)  # no credential: not asked yet
+            status, _, rest = answer.partition(b"\r\n")
+            error = json.loads(rest.partition(b"\r\n\r\n")[2])["error"]
+            assert status.startswith(b"HTTP/1.1 400") and error["code"] == "ambiguous_framing"
+            assert "Content-Length" in error["message"] and "Transfer-Encoding" in error["message"]
+        one = b"Authorization: Bearer %s\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n" % KEY.encode()
+        answer = raw_exchange(srv.url, head + one + chunked)
+        assert answer.startswith(b"HTTP/1.1 404") and b"model_not_found" in answer  # one framing: routed
+    finally:
+        srv.stop()
+
+
 def test_a_corrupt_state_database_is_kept_aside_and_replaced(tmp_path):
     path = tmp_path / "state.sqlite"
     path.write_bytes(b"this is not sqlite" * 100)
@@ -277,6 +304,33 @@ def test_a_forced_stop_still_ends_the_apps_lifespan(caplog):
     assert not [r for r in caplog.records if r.levelname in ("WARNING", "ERROR")]
 
 
+def test_a_request_still_running_after_the_grace_is_cancelled_with_a_503_and_no_traceback(capfd):
+    """An app that does not end its requests itself (no `closing_event`): past the grace the server cancels what is
+    left, the client gets 503 `server_shutdown`, and the log says so in one warning, without a traceback."""
+    from fastapi import FastAPI
+
+    app = FastAPI()
+    entered = threading.Event()
+
+    @app.get("/stuck")
+    async def stuck() -> None:
+        entered.set()
+        await asyncio.sleep(3600)
+
+    srv = ServerThread(app, grace_s=0.1).start()
+    answers: list[httpx.Response] = []
+    client = threading.Thread(target=lambda: answers.append(httpx.get(f"{srv.url}/stuck", timeout=60)), daemon=True)
+    client.start()
+    assert entered.wait(30)
+    srv.stop(timeout_s=30)
+    client.join(30)
+    assert not srv.thread.is_alive() and answers and answers[0].status_code == 503
+    assert answers[0].json()["error"]["code"] == "server_shutdown"
+    log = capfd.readouterr().err  # uvicorn's loggers write to stderr, not to the root logger caplog reads
+    assert "cancelling 1 request(s) still running after the grace" in log
+    assert "Traceback" not in log and "CancelledError" not in log and "ERROR" not in log, log
+
+
 def wait_until(check, tries: int = 600) -> bool:
     """Poll `check` (bounded: `tries` x 0.1 s)."""
     for _ in range(tries):
@@ -325,6 +379,61 @@ def test_sigterm_drains_stuck_requests_for_a_bounded_grace_then_exits(tmp_path, 
         if proc.poll() is None:
             proc.kill()
         proc.communicate(timeout=30)
+
+
+@pytest.mark.parametrize("second_signal", [False, True])
+def test_a_shutdown_ends_open_streams_with_an_error_event_and_done_and_logs_no_traceback(tmp_path, second_signal):
+    """`coral serve` with streams that started and a request still waiting for its answer: past the grace (or at a
+    second SIGTERM) each stream ends with an SSE error event `server_shutdown` and `data: [DONE]`, the waiting
+    request gets 503 `server_shutdown`, the process exits 0, and nothing it logged is a traceback."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    grace = "600" if second_signal else "1"
+    # time scale 20: phi-4's emulated steps take ~0.7 s, so the 1000-token answers below outlast the test
+    cmd = [sys.executable, "-m", "coral.cli.main", "serve", "core", "--plan", str(PLAN.save(tmp_path / "p.json")),
+           "--port", str(port), "--db", str(tmp_path / "s.sqlite"), "--time-scale", "20", "--grace", grace]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    streams, started = [b"", b""], [threading.Event(), threading.Event()]
+    waiting: list[httpx.Response] = []
+
+    def stream(k: int) -> None:
+        body = {"model": "phi-4", "prompt": "x", "max_tokens": 1000, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
+            for piece in r.iter_bytes():
+                streams[k] += piece
+                started[k].set()
+
+    def ask() -> None:
+        body = {"model": "phi-4", "prompt": "x", "max_tokens": 1000}
+        waiting.append(httpx.post(f"{url}/v1/completions", json=body, timeout=120))
+
+    try:
+        assert wait_until(lambda: httpx.get(f"{url}/health").json()["routable"] == 1), proc.stderr.read1().decode()
+        threads = [threading.Thread(target=stream, args=(k,), daemon=True) for k in range(2)]
+        threads.append(threading.Thread(target=ask, daemon=True))
+        for t in threads:
+            t.start()
+        assert all(s.wait(60) for s in started)  # both streams have their first chunk
+        assert wait_until(lambda: httpx.get(f"{url}/gateway/state").json()["queue"]["active"] == 3)
+        proc.send_signal(signal.SIGTERM)
+        if second_signal:
+            time.sleep(1)  # let the first signal start the shutdown (not a timing assertion)
+            proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=90)
+        for t in threads:
+            t.join(timeout=30)
+        assert proc.returncode == 0 and not any(t.is_alive() for t in threads)
+        for raw in streams:
+            events = sse_events(raw.decode())
+            assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "server_shutdown", raw[-400:]
+            assert events[-2]["error"]["type"] == error_type(503) and len(events) > 2  # tokens came first
+        assert waiting[0].status_code == 503 and waiting[0].json()["error"]["code"] == "server_shutdown"
+        log = err.decode()
+        assert "Traceback" not in log and "CancelledError" not in log and "ERROR" not in log, log
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate(timeout=30)
 
 
 def test_prompts_longer_than_the_context_are_refused_before_routing():

@@ -19,16 +19,16 @@ from coral.allocation.plan import Plan
 from coral.cli.runtime import build_runtime
 from coral.engine.reference import WholeModel
 from coral.runtime.controller import Store
-from coral.runtime.handmade import make_instance, make_plan
+from coral.runtime.handmade import make_instance, make_plan, two_gpu_catalog
 from coral.runtime.server import ServerThread
 
 ray = pytest.importorskip("ray")
 openai = pytest.importorskip("openai")
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(600)]
 
-PREFILL = make_instance("phi-4", "prefill", [(40, ["2xL40S"]), (24, ["1xL4"])], 6000.0, template_id=1)
-DECODE = make_instance("phi-4", "decode", [(16, ["1xL4"]), (48, ["1xL4", "2xA10G"])], 500.0, template_id=2)
-DECODE_B = make_instance("phi-4", "decode", [(32, ["1xL4"]), (32, ["1xL4"])], 500.0, template_id=3)
+PREFILL = make_instance("phi-4", "prefill", [(24, ["2xL40S"]), (16, ["1xL4"])], 6000.0, template_id=1)
+DECODE = make_instance("phi-4", "decode", [(16, ["1xL4"]), (24, ["1xL4", "2xA10G"])], 500.0, template_id=2)
+DECODE_B = make_instance("phi-4", "decode", [(20, ["1xL4"]), (20, ["1xL4"])], 500.0, template_id=3)
 RAYLETS = {"2xL40S": 1, "1xL4": 5, "2xA10G": 1}  # the PD plan and a second decode instance, placed side by side
 PROMPTS = [[11, 52, 300, 7], [500], [8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18], [999, 123, 45]]
 
@@ -44,7 +44,7 @@ class Runtime:
         self.backend = RayCoralBackend(cache_dir=tmp / "cache", log_dir=tmp / "logs", api_key=store.engine_token(),
                                        address=self.cluster.address, host="127.0.0.1", place_timeout_s=5)
         app, self.controller = build_runtime(lambda: make_plan([PREFILL]), store, self.backend, 3600.0,
-                                             ready_timeout_s=300)
+                                             ready_timeout_s=300, catalog=two_gpu_catalog)
         self.controller.retry_s = 1.0
         self.backend.on_change = lambda: self.controller.trigger(plan=False)
         self.server = ServerThread(app).start()

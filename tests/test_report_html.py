@@ -76,14 +76,16 @@ def test_cli_writes_the_report_from_files(tmp_path) -> None:
     assert "Comparison with baselines" in result.output and "$38.51/h" in result.output
 
 
-def test_cli_errors_name_the_file_and_field(tmp_path) -> None:
+def test_cli_errors_name_the_file_and_field(tmp_path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)  # no current plan here (out/core.current.plan.json)
     bad = tmp_path / "plan.json"
     bad.write_text(json.dumps({"scenario": "core"}))
     result = CliRunner().invoke(app, ["report", "--plan", str(bad), "--out", str(tmp_path / "x.html")])
     assert result.exit_code == 2
     assert "plan.json" in result.output and "method" in result.output
     assert not (tmp_path / "x.html").exists()
-    assert CliRunner().invoke(app, ["report", "--out", str(tmp_path / "x.html")]).exit_code == 2
+    none = CliRunner().invoke(app, ["report", "--out", str(tmp_path / "x.html")])
+    assert none.exit_code == 2 and "--plan: not given, and core has no current plan" in " ".join(none.output.split())
 
 
 def test_cli_example(tmp_path) -> None:

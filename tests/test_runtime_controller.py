@@ -330,7 +330,8 @@ def test_coral_gateway_cli_over_static_endpoints(tmp_path):
     )
     path = spec.save(tmp_path / "endpoints.json")
     port = free_port()
-    cmd = [sys.executable, "-m", "coral.cli.main", "gateway", "--endpoints", str(path), "--host", "127.0.0.1"]
+    cmd = [sys.executable, "-m", "coral.cli.main", "gateway", "--endpoints", str(path), "--host", "127.0.0.1",
+           "--instance-header"]
     proc = subprocess.Popen([*cmd, "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         r = None

@@ -8,6 +8,7 @@ import json
 import time
 from collections import Counter
 from collections.abc import Iterator
+from dataclasses import replace
 
 import httpx
 import pytest
@@ -23,15 +24,17 @@ pytestmark = pytest.mark.timeout(120)
 
 
 class Stack:
-    """Emulated engines + a gateway, all on loopback."""
+    """Emulated engines + a gateway, all on loopback; its answers name their instance (`x-coral-instance`, which
+    these tests read) unless `instance_header` is False."""
 
-    def __init__(self, config: GatewayConfig | None = None, health_checks: bool = False) -> None:
+    def __init__(
+        self, config: GatewayConfig | None = None, health_checks: bool = False, instance_header: bool = True
+    ) -> None:
         self.registry = Registry()
         self.engines: dict[str, ServerThread] = {}
         self.apps: dict[str, object] = {}
-        self.gateway = ServerThread(
-            create_gateway_app(self.registry, config, health_checks=health_checks)
-        ).start()
+        cfg = replace(config or GatewayConfig(), instance_header=instance_header)
+        self.gateway = ServerThread(create_gateway_app(self.registry, cfg, health_checks=health_checks)).start()
         self.gw = self.gateway.server.config.app.state.gateway  # type: ignore[union-attr]
 
     def engine(self, iid: str, model: str, phase: str, weight: float, timing: EngineTiming) -> ServerThread:
@@ -50,8 +53,10 @@ class Stack:
 
 
 @contextlib.contextmanager
-def stack(config: GatewayConfig | None = None, health_checks: bool = False) -> Iterator[Stack]:
-    s = Stack(config, health_checks)
+def stack(
+    config: GatewayConfig | None = None, health_checks: bool = False, instance_header: bool = True
+) -> Iterator[Stack]:
+    s = Stack(config, health_checks, instance_header)
     try:
         yield s
     finally:

@@ -5,7 +5,6 @@ engine whose /health fails is out at the next probe, and a dead instance noticed
 from __future__ import annotations
 
 import asyncio
-import logging
 import threading
 import time
 from typing import Any
@@ -162,8 +161,7 @@ def test_an_engines_deadline_refusal_is_answered_at_once_and_not_retried():
             free.stop()
 
 
-def test_a_client_that_leaves_cancels_the_upstream_call_and_leaves_no_task(caplog):
-    caplog.set_level(logging.ERROR)
+def test_a_client_that_leaves_cancels_the_upstream_call_and_leaves_no_task(capfd):
     with stack() as s:
         s.engine("d0", "m", "decode", 1.0, STUCK)
         with pytest.raises(httpx.ReadTimeout):
@@ -172,7 +170,8 @@ def test_a_client_that_leaves_cancels_the_upstream_call_and_leaves_no_task(caplo
         assert wait_for(lambda: s.gw.active == 0 and s.registry.get("d0").inflight == 0, 30)  # type: ignore[union-attr]
         metrics = httpx.get(f"{s.gateway.url}/metrics").text
         assert 'coral_gateway_requests_total{model="m",outcome="client_gone"} 1.0' in metrics
-    assert not [r for r in caplog.records if "running task" in r.getMessage()]  # nothing left at shutdown
+    log = capfd.readouterr().err  # uvicorn's loggers write to stderr, not to the root logger caplog reads
+    assert "still running after the grace" not in log and "Traceback" not in log  # nothing left at shutdown
 
 
 def test_an_instance_whose_health_fails_is_out_at_the_next_probe():

@@ -78,6 +78,23 @@ def test_rate_limiter_refills_at_its_rate(monkeypatch):
     assert RateLimiter(0.0, 0).wait_s("k") == 0.0  # off
 
 
+def test_a_client_still_sending_a_body_over_the_limit_reads_the_413() -> None:
+    """The gateway reads and drops the rest of a refused body (up to DRAIN_BYTES past the limit) before it answers:
+    closing on unread data reset the connection, so an async client sending 20 MB got a ReadError, not the 413
+    (`benchmarks/reliability.py`, 3 of 3)."""
+    import asyncio
+
+    async def post(url: str) -> httpx.Response:
+        async with httpx.AsyncClient(timeout=60) as client:
+            return await client.post(url, content=b"x" * (20 << 20), headers={"content-type": "application/json"})
+
+    with stack(GatewayConfig(max_body_bytes=1 << 20)) as s:
+        s.engine("d0", "m", "decode", 1.0, FAST)
+        for _ in range(3):
+            r = asyncio.run(post(f"{s.gateway.url}/v1/chat/completions"))
+            assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+
+
 def test_body_size_limit_gives_413_even_without_content_length():
     with stack(GatewayConfig(max_body_bytes=2000)) as s:
         s.engine("d0", "m", "decode", 1.0, FAST)
@@ -189,3 +206,20 @@ def test_gateway_cli_with_keys_never_prints_them(tmp_path):
         engine.stop()
     assert "API keys: 2" in out
     assert KEY_A not in out and KEY_B not in out and KEY_A[:-1] not in out
+
+
+def test_answers_name_their_instance_only_when_enabled_or_for_the_admin_token():
+    admin = "admin-token-for-ids-0004"
+    for enabled in (False, True):
+        with stack(GatewayConfig().with_tokens(admin=[admin]), instance_header=enabled) as s:
+            s.engine("d0", "m", "decode", 1.0, FAST)
+            url = f"{s.gateway.url}/v1/chat/completions"
+            for asked in ({}, {"x-coral-admin-token": admin + "x"}, {"x-coral-admin-token": admin}):
+                shown = enabled or asked.get("x-coral-admin-token") == admin
+                r = httpx.post(url, json=chat(), headers=asked, timeout=10)
+                with httpx.stream("POST", url, json=chat(stream=True), headers=asked, timeout=10) as st:
+                    streamed = st.read().decode()
+                    headers = st.headers
+                assert r.status_code == 200 and streamed.rstrip().endswith("data: [DONE]")
+                for h in (r.headers, headers):
+                    assert h.get("x-coral-instance") == ("d0" if shown else None), (enabled, asked)

@@ -4,6 +4,7 @@ re-plans and drains, KV limits, routing, determinism, results I/O and the CLI.""
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 from typing import Literal
 
@@ -14,6 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
+from coral.allocation.availability import PLENTY
 from coral.allocation.plan import Plan, PlanClass, PlanInstance, PlanStage
 from coral.catalog.loader import CoralInputError, builtin_catalog, load_scenario
 from coral.cli import simulate as simulate_cli
@@ -540,8 +542,9 @@ def test_replanner_sees_the_availability_in_force(tmp_path: Path) -> None:
 
     simulate(replan, SC, one_model(fixed(10, 10.0, 100, 3)), duration_s=100, epoch_s=40.0,
              availability=load_availability(f, SC))
-    assert [d.availability for d in seen] == [{REGION: {"1xL40S": 6}}, {REGION: {"1xL40S": 6}},
-                                              {REGION: {"1xL40S": 2}}]
+    # the scenario's availability (core: the market, unlimited) with the step's counts over it
+    assert [d.availability[REGION]["1xL40S"] for d in seen if d.availability] == [6, 6, 2]
+    assert all(d.availability and d.availability[REGION]["1xL4"] == PLENTY for d in seen)
     assert [(d.start_s, d.end_s) for d in seen] == [(0, 0), (0, 40), (40, 80)]
     assert seen[0].models["phi-4"].rate == SM["phi-4"].request_rate  # epoch 0: the scenario's forecast
 
@@ -576,7 +579,10 @@ def test_allocator_replanner_follows_observed_demand() -> None:
     assert capacity[1] < capacity[2] < capacity[0]
 
 
-def test_epochs_flag_plans_beyond_availability(tmp_path: Path) -> None:
+def test_nodes_an_availability_step_removes_stop_serving_and_billing_at_the_step() -> None:
+    """A fixed plan on 2 L40S; at 30 s one L40S remains: one instance is lost at once (it served and billed on
+    before), so no epoch holds more nodes than are there, the lost phase's later requests wait for an instance
+    (none comes: a fixed plan) and never finish, and the result says what was lost."""
     from coral.simulation import AvailabilitySchedule
 
     sched = AvailabilitySchedule.model_validate(
@@ -584,8 +590,56 @@ def test_epochs_flag_plans_beyond_availability(tmp_path: Path) -> None:
     )
     res = simulate(PLAN_PHI, SC, one_model(fixed(5, 10.0, 100, 3)), duration_s=60, epoch_s=30.0,
                    availability=sched)
-    assert [e.over_availability for e in res.epochs] == [[], [f"{REGION}:1xL40S 2 > 1"]]
-    assert res.model("phi-4").decode_wait_ms.max < 1e-6
+    assert [e.over_availability for e in res.epochs] == [[], []]
+    lost = [i for i in res.instances if i.stop_s == pytest.approx(30.0)]
+    assert len(lost) == 1 and [i.stop_s for i in res.instances if i not in lost] == [pytest.approx(res.end_s)]
+    per_hour = sum(i.cost_per_hour for i in res.instances)
+    assert res.total_cost == pytest.approx((per_hour * 30 + (per_hour - lost[0].cost_per_hour) * 30) / 3600)
+    assert res.finished == 3 and res.unfinished == 2  # arrivals at 0, 10, 20 served; 30 and 40 not
+    assert any(n.startswith(f"{REGION}:1xL40S fell below the nodes held at 30 s: lost {lost[0].id}")
+               for n in res.notes)
+
+
+def test_requests_of_a_lost_instance_are_routed_again_or_fail_with_a_reason() -> None:
+    """Two prefill instances (1xL40S, 4xL4) and two decode ones (1xL40S, 4xA10G) of phi-4 under steady load; at 20 s
+    every L40S goes. Prompts queued or prefilling on the lost prefill instance start over on the 4xL4 one, and
+    requests waiting for its decode slots go to the 4xA10G one; requests decoding on the lost decode instance are
+    lost (unfinished), and the notes count both."""
+    from coral.simulation import AvailabilitySchedule
+
+    plan = plan_of("core", [instance("phi-4", "prefill", [(40, ["1xL40S"])], 0, 1),
+                            instance("phi-4", "prefill", [(40, ["4xL4"])], 1, 2),
+                            instance("phi-4", "decode", [(40, ["1xL40S"])], 2, 3),
+                            instance("phi-4", "decode", [(40, ["4xA10G"])], 3, 4)])
+    sched = AvailabilitySchedule.model_validate({"steps": [{"at_s": 20, "counts": {REGION: {"1xL40S": 0}}}]})
+    reqs = fixed(400, 0.1, 2000, 200)
+    res = simulate(plan, SC, one_model(reqs), duration_s=40, availability=sched, drain_limit_s=3600.0)
+    (note,) = [n for n in res.notes if n.startswith("instances lost with their nodes")]
+    again, failed = (int(x) for x in re.findall(r"(\d+) requests routed again, (\d+) lost", note)[0])
+    assert again > 0 and failed > 0 and res.unfinished == failed and res.finished == len(reqs) - failed
+    per = res.per_request()
+    after = per["arrival_s"] >= 20.0
+    l40s = {k for k, i in enumerate(res.instances) if "1xL40S" in i.id or i.stop_s == pytest.approx(20.0)}
+    assert not np.isin(per["prefill_instance"][after], list(l40s)).any()
+    assert [i.stop_s for i in res.instances].count(pytest.approx(20.0)) == 2
+
+
+def test_before_a_schedules_first_step_the_scenarios_availability_holds() -> None:
+    """A schedule starting at 50 s: before it the scenario's own availability (core: the market, unlimited) is in
+    force, not none at all (every request was left unserved before)."""
+    from coral.simulation import AvailabilitySchedule
+
+    sched = AvailabilitySchedule.model_validate({"steps": [{"at_s": 50, "counts": {REGION: {"1xL40S": 1}}}]})
+    seen: list[ObservedDemand] = []
+
+    def replan(epoch: int, demand: ObservedDemand, running: Plan | None) -> Plan:
+        seen.append(demand)
+        return PLAN_PHI
+
+    res = simulate(replan, SC, one_model(fixed(10, 4.0, 100, 3)), duration_s=120, epoch_s=40.0, availability=sched)
+    assert [d.availability[REGION]["1xL40S"] for d in seen if d.availability] == [PLENTY, PLENTY, 1]
+    assert res.finished == 10  # every request arrived before 50 s, and was served
+    assert [n for n in res.notes if "fell below the nodes held at 50 s" in n]
 
 
 def test_oracle_forecast_shows_the_coming_epoch() -> None:
@@ -691,10 +745,11 @@ def test_replanner_follows_a_price_change_and_an_availability_drop() -> None:
     assert [{i.region for i in p.instances} for p in plans] == [{cheap}, {other}, {cheap}]
     at_old_prices = sum(n * offered[cheap][c] for i in plans[2].instances for c, n in i.counts.items())
     assert plans[2].cost_per_hour == pytest.approx(5 * at_old_prices)
-    # the plans fit; only the handover keeps the old instances of the drained region serving until their
-    # replacements are ready (make before break), which the epoch reports
-    over = [e.over_availability for e in res.epochs]
-    assert over[:2] == [[], []] and over[2] and all(o.startswith(f"{other}:") for o in over[2])
+    # the plans fit, and the old instances of the region whose nodes went at 120 s are lost then, not kept
+    # serving until their replacements are ready: no epoch holds more nodes than are there
+    assert [e.over_availability for e in res.epochs] == [[], [], []]
+    assert any(n.startswith(f"{other}:") and "at 120 s" in n for n in res.notes)
+    assert all(i.stop_s <= 120.0 + 1e-9 for i in res.instances if i.region == other)
 
 
 def test_catalog_with_prices_replaces_only_the_pairs_named() -> None:

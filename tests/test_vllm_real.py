@@ -83,7 +83,7 @@ class Runtime:
         self.registry = Registry()
         self.controller = Controller(Store(root / "rt.sqlite"), self.backend, self.registry, ready_timeout_s=600)
         self.a, self.b = tiny_instance(0), tiny_instance(1)
-        config = GatewayConfig(health_interval_s=0.5, request_timeout_s=120)
+        config = GatewayConfig(health_interval_s=0.5, request_timeout_s=120, instance_header=True)
         self.gateway = ServerThread(create_gateway_app(self.registry, config)).start()
         self.url = self.gateway.url
 

@@ -239,7 +239,8 @@ class AvailabilityStep(_Strict):
 
 class AvailabilitySchedule(_Strict):
     """Piecewise-constant market: availability and prices. Each step overrides the listed (region, config)
-    counts and prices."""
+    counts and prices from its `at_s` on; before the first step, and for (region, config)s no step lists, the
+    scenario's own availability is in force (its table, the market's counts, or unlimited)."""
 
     schema_version: Literal[1] = 1
     steps: list[AvailabilityStep] = Field(min_length=1, max_length=MAX_SCHEDULE_STEPS)

@@ -28,6 +28,8 @@ if TYPE_CHECKING:
     from fastapi import FastAPI
 
     from coral.allocation.plan import Plan
+    from coral.allocation.plan_check import PlanLimits
+    from coral.catalog.loader import Catalog
     from coral.catalog.schema import Scenario
     from coral.deploy.endpoints import EndpointsFile
     from coral.runtime.backends import Backend, EmulatedBackend, VllmProcessBackend
@@ -195,9 +197,16 @@ def build_runtime(
     config: GatewayConfig | None = None,
     admin_token: str | None = None,
     ready_timeout_s: float = 60.0,
+    scenario: Scenario | None = None,
+    catalog: Callable[[], Catalog] | None = None,
+    limits: PlanLimits | None = None,
 ) -> tuple[FastAPI, Controller]:
     """Gateway app with the controller API (`/state`, `/replan`; `admin_token` guards `/replan`) and dashboard
-    mounted, and its controller. The gateway sends the engines the store's `engine_token`."""
+    mounted, and its controller. The gateway sends the engines the store's `engine_token`. A plan posted to
+    `/replan` is checked against `catalog()` (default: the built-in catalog), the `scenario` served (None: any)
+    and `limits` (default: `PlanLimits()`)."""
+    from coral.allocation.plan_check import PlanLimits
+    from coral.catalog.loader import builtin_catalog
     from coral.report.dashboard import make_router
     from coral.runtime.controller import Controller, controller_router, runtime_state_provider
     from coral.runtime.gateway import GatewayConfig, create_gateway_app
@@ -208,7 +217,9 @@ def build_runtime(
     config = replace(config or GatewayConfig(), upstream_api_key=store.engine_token())
     app = create_gateway_app(registry, config)
     provider = runtime_state_provider(controller, app.state.gateway)
-    app.include_router(controller_router(controller, app.state.gateway.state, admin_token))
+    app.include_router(controller_router(controller, app.state.gateway.state, admin_token,
+                                         catalog=catalog or builtin_catalog, scenario=scenario,
+                                         limits=limits or PlanLimits()))
     app.include_router(make_router(provider))
     return app, controller
 
@@ -284,6 +295,14 @@ def register(app: typer.Typer) -> None:
         ),
         read_tokens_file: Path | None = typer.Option(None, help=READ_HELP),
         grace: float = typer.Option(30.0, help=GRACE_HELP),
+        instance_header: bool = typer.Option(
+            False, "--instance-header", help="name the instance that made each answer in an x-coral-instance "
+            "header (internal plan ids; off by default: then only requests bearing the admin token in "
+            "X-Coral-Admin-Token see it)"
+        ),
+        max_instances: int = typer.Option(256, min=1, help="most instances a plan posted to /replan may have"),
+        max_nodes: int = typer.Option(1024, min=1, help="most nodes (in all its instances) a plan posted to /replan "
+                                      "may ask for"),
         slo_timeout: float = typer.Option(
             10.0, help="an instance that has not answered the prefill call or sent an answer's first token within this "
             "many times the model's TTFT SLO, gone this many times its TPOT SLO without a token, or not finished an "
@@ -293,6 +312,8 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Run controller + gateway + engines; OpenAI API on http://HOST:PORT/v1, state on /state."""
         from coral.allocation.plan import Plan
+        from coral.allocation.plan_check import PlanLimits
+        from coral.catalog.loader import market_catalog
         from coral.runtime.backends import EmulatedBackend, VllmProcessBackend
         from coral.runtime.controller import Store
         from coral.runtime.gateway import GatewayConfig, load_secrets
@@ -334,14 +355,14 @@ def register(app: typer.Typer) -> None:
             Plan.load(plan)  # fail now on a bad file
             plan_path = plan
             planner: Callable[[], Plan] = lambda: Plan.load(plan_path)  # noqa: E731
+        scenario_market = market_catalog(slos)
         watcher = None
         if market is not None:
             if plan is not None:
                 raise CoralInputError("--market: plans are made by the allocator; drop --plan to use a market")
-            from coral.catalog.loader import market_catalog
             from coral.runtime.market import MarketWatcher
 
-            watcher = MarketWatcher(market, slos, market_catalog(slos), poll_s=market_poll)
+            watcher = MarketWatcher(market, slos, scenario_market, poll_s=market_poll)
         if plan is None:
             current = current_plan_path(scenario)
             initial = Plan.load(current) if current.is_file() else None
@@ -362,6 +383,7 @@ def register(app: typer.Typer) -> None:
         timeouts = GatewayConfig(
             prefill_timeout_s=prefill_timeouts(slos, slo_timeout * scale),
             token_timeout_s=token_timeouts(slos, slo_timeout * scale),
+            instance_header=instance_header,
         )
         cfg = access_config(
             timeouts, api_keys_file, rate_limit, host, read_tokens_file,
@@ -372,6 +394,8 @@ def register(app: typer.Typer) -> None:
         gw_app, controller = build_runtime(
             planner, store, engines, interval, cfg, admin[0] if admin else None,
             ready_timeout_s=ready_timeout or (60.0 if backend == "emulated" else 600.0),
+            scenario=slos, catalog=watcher.catalog if watcher is not None else lambda: scenario_market,
+            limits=PlanLimits(max_instances, max_nodes),
         )
         meter.gateway = gw_app.state.gateway
         if backend == "coral" and ray:
@@ -407,13 +431,18 @@ def register(app: typer.Typer) -> None:
         rate_limit: float = typer.Option(0.0, help=RATE_HELP),
         read_tokens_file: Path | None = typer.Option(None, help=READ_HELP),
         grace: float = typer.Option(30.0, help=GRACE_HELP),
+        instance_header: bool = typer.Option(
+            False, "--instance-header", help="name the instance that made each answer in an x-coral-instance "
+            "header (internal plan ids; off by default: then only requests bearing the admin token in "
+            "X-Coral-Admin-Token see it)"
+        ),
     ) -> None:
         """Serve the OpenAI API over deployed engines (static endpoints, no controller)."""
         from coral.deploy.endpoints import EndpointsFile
         from coral.runtime.gateway import GatewayConfig, create_gateway_app
 
         registry = static_registry(EndpointsFile.load(endpoints))
-        cfg = GatewayConfig(max_concurrency=max_concurrency, max_waiting=max_waiting)
+        cfg = GatewayConfig(max_concurrency=max_concurrency, max_waiting=max_waiting, instance_header=instance_header)
         cfg = access_config(cfg, api_keys_file, rate_limit, host, read_tokens_file)
         console.print(
             f"[green]coral gateway[/]: {len(registry.all())} endpoint(s) on http://{host}:{port}/v1"

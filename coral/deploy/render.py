@@ -28,15 +28,14 @@ import json
 import os
 import shutil
 import tempfile
-from collections import Counter, defaultdict
+from collections import defaultdict
 from pathlib import Path
 from typing import Any, Literal, cast
 
-from pydantic import ValidationError
-
 from coral.allocation.plan import Plan, PlanInstance
-from coral.catalog.loader import Catalog, CoralInputError, builtin_catalog, format_validation_error
-from coral.catalog.schema import ModelArch, NodeOffering, parse_config_name
+from coral.allocation.plan_check import check_plan
+from coral.catalog.loader import Catalog, CoralInputError, builtin_catalog
+from coral.catalog.schema import ModelArch, NodeOffering
 from coral.deploy import coral_engine, gateway
 from coral.deploy.common import (
     READINESS_DELAY_S,
@@ -67,50 +66,6 @@ from coral.templates.library import Template
 Target = Literal["skypilot", "kubernetes", "commands"]
 TARGETS: tuple[Target, ...] = ("skypilot", "kubernetes", "commands")
 VLLM_IMAGE = "vllm/vllm-openai:v0.33.0"
-
-
-def check_plan(plan: Plan, catalog: Catalog, source: str = "plan") -> None:
-    """Raise CoralInputError listing every problem that would make rendering fail or lie: no instances, duplicate
-    instance ids, unknown models or GPUs, bad config names, configs not offered in the instance's region, node
-    throughputs not one per node, node counts that differ from the stages, and stages whose layers do not
-    cover the model's layers once, in order."""
-    try:  # the schema again: the object may have been built or changed without validation
-        Plan.model_validate(plan.model_dump())
-    except ValidationError as exc:
-        raise CoralInputError(format_validation_error(source, exc)) from None
-    problems: list[str] = [] if plan.instances else ["instances: the plan has none, so there is nothing to deploy"]
-    ids = Counter(i.id for i in plan.instances)
-    problems += [f"instances: id {iid!r} appears {n} times" for iid, n in ids.items() if n > 1]
-    for k, inst in enumerate(plan.instances):
-        where = f"instances.{k} ({inst.id})"
-        if inst.model not in catalog.models:
-            problems.append(f"{where}.model: unknown model {inst.model!r}")
-        next_layer = 0
-        for j, st in enumerate(inst.stages):
-            at = f"{where}.stages.{j}"
-            if st.first_layer != next_layer:
-                problems.append(f"{at}.first_layer: {st.first_layer}, expected {next_layer} (stages must follow on)")
-            next_layer = st.first_layer + st.layers
-            if len(st.node_throughput) != len(st.nodes):
-                problems.append(f"{at}.node_throughput: {len(st.node_throughput)} values for {len(st.nodes)} nodes")
-            for cfg in sorted(set(st.nodes)):
-                try:
-                    gpu, _n = parse_config_name(cfg)
-                except ValueError as exc:
-                    problems.append(f"{at}.nodes: {exc}")
-                    continue
-                if gpu not in catalog.gpus:
-                    problems.append(f"{at}.nodes: unknown GPU {gpu!r} in {cfg!r}")
-                elif not any(o.config == cfg and o.region == inst.region for o in catalog.offerings):
-                    problems.append(f"{at}.nodes: no offering of {cfg} in region {inst.region!r}")
-        arch = catalog.models.get(inst.model)
-        if arch is not None and next_layer != arch.num_hidden_layers:
-            problems.append(f"{where}.stages: cover {next_layer} layers, {inst.model} has {arch.num_hidden_layers}")
-        counted = dict(Counter(n for st in inst.stages for n in st.nodes))
-        if inst.counts != counted:
-            problems.append(f"{where}.counts: {inst.counts} but the stages hold {counted}")
-    if problems:
-        raise CoralInputError(f"{source}: {len(problems)} problem(s), nothing was written\n  " + "\n  ".join(problems))
 
 
 def groups(plan: Plan) -> dict[tuple[str, str, int, str], list[PlanInstance]]:

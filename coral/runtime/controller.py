@@ -15,7 +15,10 @@ An instance of the plan found dead (its backend says so: a crashed process, a lo
 capacity yet) it stays `failed` and the controller tries again every `retry_s`, without re-planning in between.
 A death is noticed at once: a watchdog (`backends.Watchdog`) polls each running instance's `alive` every
 `watch_s`; on a death the instance gets no more requests and the controller reconciles now, not at its next pass.
-Each failed instance's row in `state()` says why (`last_error`: the backend's reason, else its `/health` error).
+Each failed instance's row in `state()` says why (`last_error`: the start's exception, the backend's reason, else
+its `/health` error), also while it is being started again; the controller's own `last_error` says why its last
+pass failed. A plan posted to `/replan` is checked against the catalog, the scenario served and the caps
+(`coral.allocation.plan_check`) before it is adopted.
 """
 
 from __future__ import annotations
@@ -37,7 +40,9 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
 
 from coral.allocation.plan import Plan, PlanInstance
-from coral.catalog.loader import CoralInputError, validate
+from coral.allocation.plan_check import PlanLimits, check_plan
+from coral.catalog.loader import Catalog, CoralInputError, builtin_catalog, validate
+from coral.catalog.schema import Scenario
 from coral.openai_shapes import InvalidRequest, bearer_token
 from coral.runtime.backends import Backend, Handle, Watchdog
 from coral.runtime.gateway import BodyRefused, error_response, parse_json, read_body
@@ -201,13 +206,20 @@ class Store:
         return [dict(zip(keys, r, strict=True)) for r in rows]
 
     def failures(self) -> dict[str, str]:
-        """Per instance, why it last went down: the detail of its latest failed start or `lost` action."""
+        """Per instance down since its latest finished start, lost or drain action: why (a failed start's detail,
+        or the `lost` action's); an instance started or drained since then has none."""
         with self.lock:
             rows = self.db.execute(
-                "SELECT instance_id, detail FROM actions WHERE status='failed' OR (kind='lost' AND status='done') "
-                "ORDER BY seq"
+                "SELECT instance_id, kind, status, detail FROM actions WHERE kind IN ('start', 'lost', 'drain') "
+                "AND status != 'pending' ORDER BY seq"
             ).fetchall()
-        return {iid: detail for iid, detail in rows}
+        out: dict[str, str] = {}
+        for iid, kind, status, detail in rows:
+            if status == "failed" or kind == "lost":
+                out[iid] = detail
+            else:
+                out.pop(iid, None)
+        return out
 
 
 class Controller:
@@ -273,19 +285,30 @@ class Controller:
             ep.healthy = False
         self.trigger(plan=False)
 
-    def _wait_ready(self, url: str) -> bool:
+    def _backend_failure(self, instance_id: str) -> str:
+        """Why the backend says an instance stopped by itself ('' when it does not say)."""
+        return str(getattr(self.backend, "failure", lambda _iid: "")(instance_id))
+
+    def _wait_ready(self, instance_id: str, url: str) -> str:
+        """'' once `url`'s `/health` answers 200 within `ready_timeout_s`, else why not: the backend's reason (a
+        process that exited), else the last `/health` answer or connection error."""
         deadline = time.monotonic() + self.ready_timeout_s
+        last = "/health never asked"
         with httpx.Client(timeout=1.0) as client:
             while time.monotonic() < deadline and not self._stop.is_set():
                 try:
-                    if client.get(f"{url}/health").status_code == 200:
-                        return True
-                except httpx.HTTPError:
-                    pass
+                    r = client.get(f"{url}/health")
+                    if r.status_code == 200:
+                        return ""
+                    last = _answer_error(r)
+                except httpx.HTTPError as exc:
+                    last = f"/health unreachable ({type(exc).__name__}: {exc})"
                 time.sleep(0.05)
-        return False
+        return f"not healthy within {self.ready_timeout_s:g} s: {self._backend_failure(instance_id) or last}"
 
     def start_instance(self, inst: PlanInstance) -> None:
+        """Start `inst` and wait for its health; a start that raises or is not healthy in time leaves it `failed`
+        with the reason (its start action's detail, the `last_error` of its row in `state()`)."""
         seq = self.store.begin("start", inst.id)
         self.store.observe(inst, "starting", {})
         try:
@@ -295,10 +318,10 @@ class Controller:
             self.store.finish(seq, "failed", f"{type(exc).__name__}: {exc}")
             return
         self.store.observe(inst, "starting", handle)
-        if not self._wait_ready(handle["url"]):
+        if why := self._wait_ready(inst.id, handle["url"]):
             self.backend.stop(inst.id, handle)
             self.store.observe(inst, "failed", handle)
-            self.store.finish(seq, "failed", f"not healthy within {self.ready_timeout_s:.0f} s")
+            self.store.finish(seq, "failed", why)
             return
         self._register(inst, handle, InstanceState.READY)
         self.store.observe(inst, "ready", handle)
@@ -319,9 +342,19 @@ class Controller:
         self.store.observe(inst, "stopped", handle)
         self.store.finish(seq, "done", f"stopped with {left} in flight" if left else "drained")
 
+    @contextlib.contextmanager
+    def _recorded(self) -> Iterator[None]:
+        """Keep `last_error` (shown in `state()`): the error a pass failed with, '' once one succeeds."""
+        try:
+            yield
+        except Exception as exc:
+            self.last_error = f"{type(exc).__name__}: {exc}"
+            raise
+        self.last_error = ""
+
     def reconcile(self) -> dict[str, list[str]]:
         """One pass: start what is missing (scale-ups first), then drain and stop what is surplus."""
-        with self._lock:
+        with self._lock, self._recorded():
             self._apply_classes()
             desired = self.store.desired()
             observed = self.store.observed()
@@ -353,7 +386,7 @@ class Controller:
         self.watchdog.forget(inst.id)
         self.registry.remove(inst.id)
         self.store.observe(inst, "failed", handle)
-        reason = getattr(self.backend, "failure", lambda _iid: "")(inst.id) or _health_error(handle.get("url"))
+        reason = self._backend_failure(inst.id) or _health_error(handle.get("url"))
         self.store.finish(self.store.begin("lost", inst.id), "done", reason or "not running")
 
     def failed(self) -> list[str]:
@@ -366,22 +399,21 @@ class Controller:
 
     def replan(self) -> dict[str, list[str]]:
         """Ask the planner (if any, and the plan is not pinned) for a new plan, then reconcile."""
-        if self.planner is not None and not self.store.pinned():
-            self.set_plan(self.planner())
-        return self.reconcile()
+        with self._recorded():
+            if self.planner is not None and not self.store.pinned():
+                self.set_plan(self.planner())
+            return self.reconcile()
 
     # --- loop ---------------------------------------------------------------------------------------
     def _loop(self) -> None:
         plan_next, planned_at = True, 0.0
         while not self._stop.is_set():
-            try:
+            with contextlib.suppress(Exception), self._recorded():  # keep reconciling: the error is in /state
                 if plan_next and self.planner is not None and not self.store.pinned():
                     planned_at = time.monotonic()
-                    self.set_plan(self.planner())
-                self.reconcile()
-                self.last_error = ""
-            except Exception as exc:  # keep reconciling: the error is shown in /state
-                self.last_error = f"{type(exc).__name__}: {exc}"
+                    self.replan()
+                else:
+                    self.reconcile()
             woke = self._wake.wait(self.retry_s if self.failed() else self.interval_s)
             self._wake.clear()
             due = time.monotonic() - planned_at >= self.interval_s
@@ -411,13 +443,15 @@ class Controller:
         {"plan": Plan JSON | None,
          "instances": [{id, model, phase, region, template_id, counts, throughput, class_throughput,
                         cost_per_hour, desired, state (pending|starting|ready|draining|failed), url,
-                        last_error (why a failed instance went down, else ''),
+                        last_error (why it went down or its last start failed, while it is failed or being
+                        started again; else ''),
                         healthy, weight, inflight, served, failed, target_share, observed_share}],
          "traffic": {model: {phase: {instance id: observed share}}},
          "latency": {model: {requests, errors, count, p50_ms, p99_ms (end to end), and where measured
                     ttft_p50_ms, ttft_p99_ms, tpot_p50_ms, tpot_p99_ms}},
          "queue": {waiting, active}, "actions": [{seq, ts, kind, instance_id, status, detail}] (newest
-         first), "pinned": whether a posted plan holds off the planner, "last_error": str,
+         first), "pinned": whether a posted plan holds off the planner, "last_error": why the controller's
+         last pass (planning and reconciling) failed, '' when it succeeded,
          "updated_at": unix seconds}
         """
         plan = self.store.plan()
@@ -426,7 +460,7 @@ class Controller:
         gw = gateway_state or {"instances": [], "latency": {}, "queue": {}}
         live = {e["id"]: e for e in gw["instances"]}
         instances: list[dict[str, Any]] = []
-        failures = self.store.failures() if any(o[1] == "failed" for o in observed.values()) else {}
+        failures = self.store.failures() if any(o[1] in ("failed", "starting") for o in observed.values()) else {}
         for iid in sorted(set(desired) | {i for i, o in observed.items() if o[1] != "stopped"}):
             inst = desired.get(iid) or observed[iid][0]
             obs = observed.get(iid)
@@ -444,7 +478,7 @@ class Controller:
                 "state": obs[1] if obs else "pending",
                 "url": obs[2].get("url", "") if obs else "",
             }
-            row["last_error"] = failures.get(iid, "") if row["state"] == "failed" else ""
+            row["last_error"] = failures.get(iid, "")
             g = live.get(iid, {})
             for k in ("healthy", "weight", "inflight", "served", "failed", "target_share", "observed_share"):
                 row[k] = g.get(k, 0 if k != "healthy" else False)
@@ -473,8 +507,11 @@ def _health_error(url: str | None) -> str:
         r = httpx.get(f"{url}/health", timeout=1.0)
     except httpx.HTTPError:
         return ""
-    if r.status_code == 200:
-        return ""
+    return "" if r.status_code == 200 else _answer_error(r)
+
+
+def _answer_error(r: httpx.Response) -> str:
+    """'/health answered STATUS: the error message' (or the start of the body when it is not an OpenAI error)."""
     try:
         detail = str(r.json()["error"]["message"])
     except (ValueError, KeyError, TypeError):
@@ -488,12 +525,21 @@ def controller_router(
     admin_token: str | None = None,
     max_body_bytes: int = 16 << 20,
     body_timeout_s: float = 30.0,
+    catalog: Callable[[], Catalog] = builtin_catalog,
+    scenario: Scenario | None = None,
+    limits: PlanLimits = PlanLimits(),
 ) -> APIRouter:
     """`GET /state` and `POST /replan`: with a plan JSON body, adopt it and pin it (the planner is not asked
     until `POST /replan?release=true`); without a body, ask the planner now (409 while pinned); `?wait=true`
     reconciles before answering. With `admin_token`, `/replan` needs `Authorization: Bearer ADMIN_TOKEN` (401
     otherwise). Every error is JSON in OpenAI's shape with the reason; bodies past `max_body_bytes` get 413
-    however they are framed."""
+    however they are framed.
+
+    A posted plan is checked as `coral deploy` checks one (`coral.allocation.plan_check`), against the catalog
+    `catalog()` returns (the market's, where it changes), the `scenario` served (its models, regions and node
+    configs; None: any) and the caps of `limits`: a plan failing any check gets 400 `invalid_plan` listing each
+    problem (field path: reason) and nothing is stored (the running plan and its pin stay). A pass that fails
+    under `?wait=true` gets 500 `reconcile_failed` with the reason (also `last_error` in `/state`)."""
     router = APIRouter()
     expected = admin_token.encode() if admin_token else None
 
@@ -517,9 +563,12 @@ def controller_router(
     async def replan(request: Request, wait: bool = False, release: bool = False) -> Any:
         if (refused := denied(request)) is not None:
             return refused
+        source = "POST /replan body"
         try:
             raw = await read_body(request, max_body_bytes, body_timeout_s)
-            plan = validate(Plan, parse_json(raw), "POST /replan body") if raw.strip() else None
+            plan = validate(Plan, parse_json(raw), source) if raw.strip() else None
+            if plan is not None:
+                check_plan(plan, catalog(), source, scenario, limits, "nothing was adopted: the running plan stays")
         except BodyRefused as exc:
             return exc.response()
         except (CoralInputError, InvalidRequest) as exc:
@@ -541,6 +590,9 @@ def controller_router(
         except sqlite3.Error as exc:
             msg = f"controller state {controller.store.path} cannot be written: {exc}"
             return error_response(503, msg, "state_unwritable")
+        except Exception as exc:  # the pass failed (a backend error): said here and in /state until one succeeds
+            msg = f"the controller's pass failed: {type(exc).__name__}: {exc}"
+            return error_response(500, msg, "reconcile_failed")
         return snapshot()
 
     return router

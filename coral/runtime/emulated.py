@@ -105,7 +105,8 @@ class EngineState:
     prefills: int = 0
     prefill_steps: int = 0
     cancelled: int = 0
-    """Non-streamed requests whose client (the gateway) left before the answer: their work was cancelled."""
+    """Requests whose client (the gateway) left before the answer (a stream: before its first chunk): their work
+    was cancelled."""
     request_ids: deque[str] = field(default_factory=lambda: deque(maxlen=64))
 
 
@@ -189,12 +190,11 @@ def create_engine_app(
         return {"object": "list", "data": [card]}
 
     async def complete(request: Request, chat: bool) -> Any:
-        """Answer a request; a non-streamed one is cancelled when its client leaves first (counted)."""
+        """Answer a request, cancelled when its client leaves first (counted; a stream once it started ends when
+        its client leaves)."""
         if (refused := denied(request)) is not None:
             return refused
         body = await request.json()
-        if body.get("stream"):
-            return await answer(request, body, chat)
         done = await unless_disconnected(request, answer(request, body, chat))
         if done is None:
             st.cancelled += 1

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from coral.allocation.plan import Plan, PlanInstance, SolveReport
+from coral.catalog.loader import Catalog, builtin_catalog
 
 
 def make_instance(
@@ -34,3 +35,13 @@ def make_plan(instances: Sequence[PlanInstance], scenario: str = "handmade") -> 
         cost_per_hour=sum(i.cost_per_hour for i in instances),
         solve=SolveReport(status="handmade"),
     )
+
+
+def two_gpu_catalog(region: str = "aws-us-east-2", gpus: tuple[str, ...] = ("L40S", "A10G")) -> Catalog:
+    """The built-in catalog plus 2-GPU nodes of `gpus` in `region`, which AWS does not sell (`/replan` checks a
+    plan against the catalog), each at twice the 1-GPU node's price: for hand-made plans on such nodes."""
+    base = builtin_catalog()
+    extra = [o.model_copy(update={"gpus_per_node": 2, "instance_type": f"handmade-2x{o.gpu.lower()}",
+                                  "price_per_hour": 2 * o.price_per_hour})
+             for o in base.offerings if o.region == region and o.gpus_per_node == 1 and o.gpu in gpus]
+    return base.with_offerings([*base.offerings, *extra])

@@ -6,32 +6,54 @@ uvicorn bounds neither the time a client may take to send a request's headers (a
 bytes and stalls is held forever) nor, by default, a graceful shutdown (stuck requests keep the process alive).
 Here a connection whose request headers are not complete within `header_timeout_s` of its first byte (or of
 its opening) is closed, bodies are bounded by the apps (`coral.runtime.gateway.read_body`), and a shutdown
-waits at most `grace_s` for requests in flight; a second SIGTERM or SIGINT during that wait exits at once.
+waits at most `grace_s` for requests in flight; a second SIGTERM or SIGINT during that wait ends it at once. Then
+an app that keeps a `closing_event` is told to end what is still open itself (the gateway ends each stream with an
+error event and `[DONE]`), for at most `CLOSE_S`, and what is left after that is cancelled without a traceback.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import socket
 import threading
 import time
-from collections.abc import Coroutine
+from collections.abc import Awaitable
 from types import FrameType
 from typing import Any
 
 import uvicorn
 from starlette.requests import Request
 from starlette.responses import Response
+from starlette.types import Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from coral.catalog.loader import CoralInputError
+from coral.openai_shapes import error_body, error_type
 
 KEEP_ALIVE_S = 75
 """Idle keep-alive connections are closed after this (uvicorn's 5 s default races with clients reusing a
 connection while the event loop lags under load: the request is dropped unanswered)."""
 HEADER_TIMEOUT_S = 10.0
 GRACE_S = 30.0
+CLOSE_S = 1.0
+"""After the grace (or a second signal), how long an app told by its `closing_event` has to end its open
+responses before the server cancels what is left."""
+POLL_S = 0.02
+"""How often a shutdown checks whether every request has ended."""
+
+logger = logging.getLogger("uvicorn.error")
+
+
+def closing_event(app: Any) -> asyncio.Event:
+    """The event `DrainingServer` sets once its grace is over or a second signal came (made on the first call and
+    kept on `app.state`): the app then ends its open responses itself (a stream with a last event), within
+    `CLOSE_S`, before the server cancels what is left."""
+    event = getattr(app.state, "closing", None)
+    if not isinstance(event, asyncio.Event):
+        event = app.state.closing = asyncio.Event()
+    return event
 
 
 class _HeaderTimeout:
@@ -111,22 +133,89 @@ class DrainingServer(uvicorn.Server):
     """uvicorn's server with a second signal forcing the exit (uvicorn forces only on a second SIGINT), no
     signal re-raised after the shutdown, so the caller's cleanup (stopping engines) runs, and the app's lifespan
     ended even on a forced exit (uvicorn skips it there, and closing the loop then cancels the lifespan task,
-    which logs a CancelledError traceback)."""
+    which logs a CancelledError traceback). Past the grace, the app's `closing_event` is set and it has `CLOSE_S`
+    to end its responses; requests still running then are cancelled, each ending without a traceback
+    (`_EndQuietly`)."""
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self.should_exit:
             self.force_exit = True
         self.should_exit = True
 
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        self.config.loaded_app = _EndQuietly(self.config.loaded_app, self)
+        await super().startup(sockets)
+
+    async def _settled(self, timeout_s: float, forced_ends_wait: bool) -> bool:
+        """Whether every connection and request ended within `timeout_s` (or before a second signal, when
+        `forced_ends_wait`)."""
+        state = self.server_state
+        try:
+            async with asyncio.timeout(timeout_s):
+                while state.connections or state.tasks:
+                    if forced_ends_wait and self.force_exit:
+                        return False
+                    await asyncio.sleep(POLL_S)
+                for server in self.servers:
+                    await server.wait_closed()
+        except TimeoutError:
+            return False
+        return True
+
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
-        await super().shutdown(sockets)
-        if self.force_exit:
-            try:
-                async with asyncio.timeout(self.config.timeout_graceful_shutdown):
-                    await self.lifespan.shutdown()
-            except TimeoutError:
-                logging.getLogger("uvicorn.error").warning(
-                    "the app's lifespan did not end within %s s of a forced exit", self.config.timeout_graceful_shutdown)
+        """Stop accepting, let the requests in flight finish within the grace, tell the app to end the rest
+        (`closing_event`), cancel what is still running `CLOSE_S` later, then end the app's lifespan."""
+        for server in self.servers:
+            server.close()
+        for sock in sockets or []:
+            sock.close()
+        for connection in list(self.server_state.connections):
+            connection.shutdown()
+        grace_s = self.config.timeout_graceful_shutdown or GRACE_S
+        if not await self._settled(grace_s, forced_ends_wait=True):
+            closing = getattr(getattr(self.config.app, "state", None), "closing", None)
+            if isinstance(closing, asyncio.Event):
+                closing.set()
+                await self._settled(CLOSE_S, forced_ends_wait=False)
+            if left := list(self.server_state.tasks):
+                logger.warning("cancelling %d request(s) still running after the grace", len(left))
+                for task in left:
+                    task.cancel()
+        try:
+            async with asyncio.timeout(grace_s):
+                await self.lifespan.shutdown()
+        except TimeoutError:
+            logger.warning("the app's lifespan did not end within %s s of the shutdown", grace_s)
+
+
+class _EndQuietly:
+    """ASGI wrapper: a request cancelled by its server's shutdown ends without the traceback uvicorn logs for any
+    exception: a 503 in OpenAI's error shape when its response had not started (else uvicorn closes the
+    connection, the answer cut)."""
+
+    def __init__(self, app: Any, server: uvicorn.Server) -> None:
+        self.app, self.server = app, server
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def tracked(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked)
+        except asyncio.CancelledError:
+            if not self.server.should_exit:
+                raise
+            if not started:
+                body = error_body("the server is shutting down", error_type(503), None, "server_shutdown")
+                await send({"type": "http.response.start", "status": 503,
+                            "headers": [(b"content-type", b"application/json"), (b"connection", b"close")]})
+                await send({"type": "http.response.body", "body": json.dumps(body).encode()})
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -180,7 +269,7 @@ class ServerThread:
         self.thread.join(timeout_s)
 
 
-async def unless_disconnected(request: Request, work: Coroutine[Any, Any, Response]) -> Response | None:
+async def unless_disconnected(request: Request, work: Awaitable[Response]) -> Response | None:
     """`work`'s response, or None when the client disconnected first (then `work` is cancelled, and with it its
     upstream calls). The request body must have been read: what `request.receive` gives next is the
     disconnect."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 from pathlib import Path
 
+from coral.allocation.availability import PLENTY
 from coral.catalog.loader import CoralInputError, check_region_table, load_file, validate
 from coral.catalog.schema import AvailabilitySchedule, Scenario
 
@@ -14,6 +15,18 @@ def check_schedule(schedule: AvailabilitySchedule, scenario: Scenario, source: s
     for i, s in enumerate(schedule.steps):
         check_region_table(s.counts, scenario, f"{source}: steps.{i}.counts")
         check_region_table(s.prices, scenario, f"{source}: steps.{i}.prices")
+
+
+def counts_in_force(schedule: AvailabilitySchedule, base: dict[str, dict[str, int]] | str, scenario: Scenario,
+                    t: float) -> dict[str, dict[str, int]]:
+    """Node counts per region and config of `scenario` at `t`: `base` (the scenario's availability; "unlimited":
+    `PLENTY` each) overridden by every step at or before `t`. Before the first step, and for (region, config)s no
+    step lists, the base is in force."""
+    table = {r: {c: PLENTY if isinstance(base, str) else base.get(r, {}).get(c, 0) for c in scenario.configs}
+             for r in scenario.regions}
+    for region, counts in schedule.at(t).items():
+        table.setdefault(region, {}).update(counts)
+    return table
 
 
 def load_availability(path: str | Path, scenario: Scenario | None = None) -> AvailabilitySchedule:

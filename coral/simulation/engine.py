@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
@@ -44,7 +44,7 @@ from coral.perf.model import Workload
 from coral.simulation.kernels import KernelCache, NodeKernel, decode_step
 
 STARTING, READY, DRAINING, STOPPED = 0, 1, 2, 3
-_K_PREFILL, _K_KV, _K_PATH, _K_READY, _K_EPOCH, _K_RETIRE = 0, 1, 2, 3, 4, 5
+_K_PREFILL, _K_KV, _K_PATH, _K_READY, _K_EPOCH, _K_RETIRE, _K_AVAIL = 0, 1, 2, 3, 4, 5, 6
 _EPS = 1e-7
 T = TypeVar("T")
 
@@ -148,7 +148,7 @@ class Path:
 class Instance:
     """A running (or starting / draining) serving instance of a plan."""
 
-    __slots__ = ("cost", "drain_s", "key", "layers", "model", "outstanding", "paths", "phase", "pickers",
+    __slots__ = ("cost", "drain_s", "key", "layers", "lost", "model", "outstanding", "paths", "phase", "pickers",
                  "ready_s", "retiring", "spec", "stages", "start_s", "state", "stop_s", "waiting", "weight")
 
     def __init__(self, spec: PlanInstance, kernels: KernelCache, start_s: float, ready_s: float,
@@ -162,6 +162,7 @@ class Instance:
         self.stop_s = self.drain_s = float("inf")
         self.state = STARTING
         self.retiring = False  # removed by a re-plan, serving until its replacements are ready
+        self.lost = False  # its nodes were taken away (availability fell): stopped at once, not drained
         self.outstanding = 0
         self.waiting: deque[int] = deque()
         self.paths: dict[tuple[int, ...], Path] = {}
@@ -256,6 +257,12 @@ class Trace:
 
     instances: list[Instance] = field(default_factory=list)
     end_s: float = 0.0
+    losses: list[str] = field(default_factory=list)  # what each availability drop took away, in words
+    rerouted: int = 0  # requests sent to another instance because theirs was lost
+    failed: int = 0  # requests lost mid-decode with their instance (never finished)
+
+
+Counts = dict[str, dict[str, int]]
 
 
 def class_mix(spec: PlanInstance, classes: list[PlanClass]) -> Workload | None:
@@ -310,6 +317,7 @@ class Engine:
         horizon_s: float,
         handover: bool = True,
         kv_reserve: str = "mean",
+        available: Callable[[float], Counts] | None = None,
     ) -> None:
         if router not in ("wrr", "lor"):
             raise ValueError(f"router must be 'wrr' or 'lor', not {router!r}")
@@ -320,6 +328,7 @@ class Engine:
         self.router = router
         self.startup = startup_delay_s
         self.handover = handover
+        self.available = available  # node counts in force at a time (None: unlimited)
         self.horizon = horizon_s
         n = len(arrival)
         self.n = n
@@ -398,14 +407,83 @@ class Engine:
         if plan.request_classes != self.classes:
             self.classes = plan.request_classes
             self.req_class = request_classes(self.classes, self.models, self.model_of, self.inp_array)
+        full = self.over_availability(t)  # with the new instances and those still to hand over
         for inst in retire:
-            when = new_ready.get(inst.key) if self.handover and inst.state == READY else None
+            fits = not any((inst.spec.region, c) in full for c in inst.spec.counts)
+            when = new_ready.get(inst.key) if self.handover and inst.state == READY and fits else None
             if when is None:
                 self.drain(inst, t)
             elif not inst.retiring:
                 inst.retiring = True
                 self.push(when, _K_RETIRE, inst)
         self.rebuild_routers(t)
+
+    def node_use(self) -> dict[tuple[str, str], int]:
+        """Nodes held per (region, config) by instances starting, serving or draining."""
+        used: dict[tuple[str, str], int] = {}
+        for inst in self.trace.instances:
+            if inst.state != STOPPED:
+                for cfg, n in inst.spec.counts.items():
+                    used[(inst.spec.region, cfg)] = used.get((inst.spec.region, cfg), 0) + n
+        return used
+
+    def over_availability(self, t: float) -> dict[tuple[str, str], int]:
+        """(region, config) -> nodes held beyond the count in force at `t` (empty without an availability)."""
+        if self.available is None:
+            return {}
+        counts = self.available(t)
+        return {k: n - counts[k[0]][k[1]] for k, n in self.node_use().items()
+                if k[1] in counts.get(k[0], {}) and n > counts[k[0]][k[1]]}
+
+    def enforce_availability(self, t: float) -> None:
+        """Availability fell: instances on nodes no longer there are lost (`lose`) until every (region, config)
+        fits, starting ones first, then draining ones, then serving ones with the fewest requests."""
+        for (region, cfg), extra in sorted(self.over_availability(t).items()):
+            on = [i for i in self.trace.instances
+                  if i.state != STOPPED and i.spec.region == region and cfg in i.spec.counts]
+            on.sort(key=lambda i: ({STARTING: 0, DRAINING: 1, READY: 2}[i.state], i.outstanding))
+            taken = []
+            for inst in on:
+                if extra <= 0:
+                    break
+                extra -= inst.spec.counts[cfg]
+                taken.append(inst.spec.id)
+                self.lose(inst, t)
+            self.trace.losses.append(f"{region}:{cfg} fell below the nodes held at {t:.0f} s: lost {', '.join(taken)}")
+
+    def lose(self, inst: Instance, t: float) -> None:
+        """`inst`'s nodes are gone at `t`: it stops serving and billing at once. Requests still prefilling or
+        waiting for a decode slot are routed again (prefill starts over); requests decoding on it are lost
+        (never finished)."""
+        was = inst.state
+        inst.lost = True
+        self.stop(inst, t)
+        inst.outstanding = 0
+        self.rebuild_routers(t)
+        if was == STARTING:
+            return
+        again: list[int] = []
+        if inst.phase == "prefill":
+            for node in inst.all_nodes():
+                again += [item[0] for item in (*node.queue, *node.batch)]
+                node.queue.clear()
+                node.batch = []
+                node.busy = False
+            for r in sorted(set(again)):
+                self.route_prefill(r, t)
+        else:
+            again = list(inst.waiting)
+            inst.waiting.clear()
+            held = set(again)
+            dead = [r for r, d in enumerate(self.d_inst) if d is inst and r not in held and self.done_count[r] == 0]
+            for path in inst.paths.values():
+                path.version += 1  # its pending events are void
+            for r in dead:
+                self.d_path[r] = None
+            self.trace.failed += len(dead)
+            for r in again:
+                self.route_decode(r, t)
+        self.trace.rerouted += len(set(again))
 
     def drain(self, inst: Instance, t: float) -> None:
         was_ready = inst.state == READY
@@ -514,6 +592,8 @@ class Engine:
     def prefill_step_done(self, node: PNode, t: float) -> None:
         """Chunks that passed a middle stage go on to the request's next stage node (pipelined); a request is
         prefilled once all its prompt has passed the last stage."""
+        if node.inst.lost:  # its requests were routed again
+            return
         node.busy = False
         if node.last:
             p_left = self.p_left
@@ -611,7 +691,8 @@ class Engine:
 
     def kv_done(self, r: int, t: float) -> None:
         path = self.d_path[r]
-        assert path is not None
+        if path is None:  # lost with its instance during the hand-off
+            return
         if path.t_last != t:
             path.progress += (t - path.t_last) * path.rate
             path.t_last = t
@@ -656,8 +737,15 @@ class Engine:
         epoch_s: float,
         duration_s: float,
         demand_of: Callable[[int], ObservedDemand],
+        changes: Sequence[float] = (),
     ) -> Trace:
+        """Serve until the horizon: arrivals, engine events, re-plans every epoch and, at each time in `changes`,
+        the availability in force (nodes it no longer has are lost)."""
         self.apply_plan(first_plan, 0.0, initial=True)
+        self.enforce_availability(0.0)
+        for at in changes:
+            if at > 0:
+                self.push(at, _K_AVAIL, at)
         n_epochs = max(1, int(np.ceil(duration_s / epoch_s - 1e-9)))
         for e in range(1, n_epochs if replan is not None else 1):
             self.push(e * epoch_s, _K_EPOCH, e)
@@ -696,6 +784,8 @@ class Engine:
                     inst.retiring = False
                     self.drain(inst, t)
                     self.rebuild_routers(t)
+            elif kind == _K_AVAIL:
+                self.enforce_availability(t)
             else:  # _K_EPOCH, only scheduled with a re-planner
                 assert replan is not None
                 plan = replan(obj, demand_of(obj), self.running_plan(first_plan))

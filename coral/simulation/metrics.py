@@ -4,13 +4,13 @@ saved as JSON and drawn as PNG plots."""
 from __future__ import annotations
 
 import csv
+from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
-from coral.simulation.availability import AvailabilitySchedule
 from coral.simulation.engine import Engine, Instance, Trace
 
 CDF_POINTS = 101
@@ -305,7 +305,7 @@ def collect(
     startup_delay_s: float,
     ttft_slo_s: np.ndarray,
     tpot_slo_s: np.ndarray,
-    availability: AvailabilitySchedule | None = None,
+    available: Callable[[float], dict[str, dict[str, int]]] | None = None,
 ) -> SimResult:
     """Turn one run's raw record into a SimResult. `*_slo_s` are per model index."""
     arr = np.asarray(engine.arr)
@@ -364,7 +364,7 @@ def collect(
             instances_ready=sum(1 for i in insts if i.ready_s <= a < min(i.drain_s, i.stop_s)),
             instances_starting=sum(1 for i in insts if i.start_s <= a < min(i.ready_s, i.stop_s)),
             instances_draining=sum(1 for i in insts if i.drain_s <= a < i.stop_s),
-            over_availability=_over(insts, a, availability.at(a)) if availability else [],
+            over_availability=_over(insts, a, available(a)) if available is not None else [],
         ))
     total_cost = _cost_integral(insts, 0.0, duration_s)
     index = {id(inst): k for k, inst in enumerate(insts)}

@@ -3,17 +3,21 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from functools import partial
 from typing import Literal
 
 import numpy as np
 
+from coral.allocation.availability import market_availability
+from coral.allocation.core import UNLIMITED
 from coral.allocation.plan import Plan
 from coral.catalog.loader import Catalog, CoralInputError, builtin_catalog
 from coral.catalog.schema import Scenario
 from coral.catalog.suggest import did_you_mean
 from coral.perf.roofline import RooflineModel
-from coral.simulation.availability import AvailabilitySchedule
-from coral.simulation.engine import Engine, ModelDemand, ObservedDemand, ObservedLatency, Replanner
+from coral.simulation.availability import AvailabilitySchedule, counts_in_force
+from coral.simulation.engine import Counts, Engine, ModelDemand, ObservedDemand, ObservedLatency, Replanner
 from coral.simulation.kernels import KernelCache
 from coral.simulation.metrics import SimResult, collect
 from coral.workload.traces import RequestSet, workload_for
@@ -26,6 +30,16 @@ def scenario_forecast(scenario: Scenario) -> dict[str, ModelDemand]:
                              m.request_rate * m.mean_output_tokens)
         for m in scenario.models
     }
+
+
+def scenario_counts(scenario: Scenario, catalog: Catalog) -> Counts | str:
+    """The scenario's own availability, what a schedule overrides: its table, the market's counts, or
+    "unlimited" (a headroom rule, which needs a template library, counts as unlimited here)."""
+    if isinstance(scenario.availability, dict):
+        return scenario.availability
+    if scenario.availability == "market":
+        return market_availability(scenario, catalog)
+    return UNLIMITED
 
 
 def check_plan(plan: Plan, scenario: Scenario) -> None:
@@ -70,7 +84,11 @@ def simulate(
     previous epoch, the latencies observed so far (`ObservedDemand`). `kv_reserve` is the KV a decoding request
     is charged: prompt + half its output ("mean", a paged cache's average) or prompt + output ("max").
     `availability` may change prices too (its steps' `prices`): a re-planner is shown the market in force, and
-    an instance is billed the price its plan was made at."""
+    an instance is billed the price its plan was made at. Its counts override the scenario's availability from
+    each step on (before the first step the scenario's own is in force, `counts_in_force`); when a step leaves
+    fewer nodes than running instances hold, instances on them are lost at once (`Engine.lose`: they stop serving
+    and billing, requests not yet decoding are routed again, decoding ones fail), and an instance a re-plan removes
+    is handed over only while its nodes and its replacements' fit the count in force."""
     if duration_s <= 0 or interval_s <= 0:
         raise CoralInputError("duration_s and interval_s must be > 0")
     if forecast not in ("previous", "oracle"):
@@ -93,10 +111,14 @@ def simulate(
     order = np.lexsort((model_of, arrival))
     arrival, model_of, inp, out = arrival[order], model_of[order], inp[order], out[order]
     kernels = KernelCache(scenario, catalog, perf)
+    available: Callable[[float], Counts] | None = None  # node counts in force at a time
+    if availability is not None:
+        available = partial(counts_in_force, availability, scenario_counts(scenario, catalog), scenario)
+
     engine = Engine(
         kernels, names, arrival, model_of, inp, out,
         router=router, startup_delay_s=startup_delay_s, horizon_s=duration_s + drain_limit_s, handover=handover,
-        kv_reserve=kv_reserve,
+        kv_reserve=kv_reserve, available=available,
     )
 
     def demand_of(epoch: int) -> ObservedDemand:
@@ -122,7 +144,7 @@ def simulate(
             models[m] = ModelDemand(float(sel.sum() / (b - a)), float(t_in[sel].sum() / (b - a)),
                                     float(t_out[sel].sum() / (b - a)))
             series[m] = per_interval(sel)
-        return ObservedDemand(epoch, a, b, models, availability.at(epoch * epoch_s) if availability else None,
+        return ObservedDemand(epoch, a, b, models, available(epoch * epoch_s) if available is not None else None,
                               interval_s, series, observed_latency(lo, hi, epoch * epoch_s) if window < epoch else {},
                               market_at(epoch * epoch_s))
 
@@ -149,7 +171,7 @@ def simulate(
         first, replan = plan_or_replanner, None
     else:
         replan = plan_or_replanner
-        avail0 = availability.at(0.0) if availability else None
+        avail0 = available(0.0) if available is not None else None
         if forecast == "oracle":
             first = replan(0, demand_of(0), None)
         else:
@@ -163,17 +185,22 @@ def simulate(
         check_plan(plan, scenario)
         return plan
 
-    trace = engine.run(first, checked if replan else None, epoch_s, duration_s, demand_of)
+    trace = engine.run(first, checked if replan else None, epoch_s, duration_s, demand_of,
+                       [s.at_s for s in availability.steps] if availability else [])
     result = collect(
         engine, trace, scenario=scenario.name, router=router, seed=seed, duration_s=duration_s, epoch_s=epoch_s,
         startup_delay_s=startup_delay_s,
         ttft_slo_s=np.array([kernels.models[m].ttft_slo_s for m in names]),
         tpot_slo_s=np.array([kernels.models[m].tpot_slo_s for m in names]),
-        availability=availability,
+        available=available,
     )
     result.wall_s = time.perf_counter() - t_wall
     result.requests_per_wall_s = result.requests / result.wall_s if result.wall_s > 0 else 0.0
     missing = sorted({m for m in names if m in requests and len(requests[m])} - {i.model for i in first.instances})
     if missing:
         result.notes.append(f"plan serves no instance of: {', '.join(missing)}")
+    result.notes += trace.losses
+    if trace.losses:
+        result.notes.append(f"instances lost with their nodes: {trace.rerouted} requests routed again, "
+                            f"{trace.failed} lost mid-decode (unfinished)")
     return result

@@ -15,7 +15,9 @@ that status and Retry-After at once (an engine's 504 with Retry-After, its deadl
 503 `engine_unavailable` (a node died) is a failure, and the instance is out of routing until a probe passes. A
 client that disconnects before its answer cancels its upstream calls (`coral.runtime.server.unless_disconnected`).
 In-flight counts are released in `finally` blocks that also run on client cancels, and endpoints are released on
-the object they were picked on, so churn cannot skew them.
+the object they were picked on, so churn cannot skew them. When the server's shutdown grace is over (or at a second
+signal: `coral.runtime.server.closing_event`), `Gateway.shut` answers the requests still waiting 503
+`server_shutdown` and ends each open stream with an SSE error event of that code and `data: [DONE]`.
 
 Access: with API keys configured (or read-only tokens), every path but `/health` needs `Authorization: Bearer KEY`
 (`AccessGuard`; the scheme in any case; keys and tokens are kept only as SHA-256 digests): API keys reach
@@ -28,7 +30,10 @@ certainly longer than its model's context with max_tokens (`GatewayConfig.contex
 as is n x max_tokens over `max_output_tokens` (`too_many_tokens`), and every error has OpenAI's shape `{"error":
 {"message", "type", "param", "code"}}`. Metric labels are the plan's model and instance ids only (every other model
 name counts as `_unknown`). One request id (the client's `X-Request-Id` or a new one) goes to both the prefill and
-the decode instance, as vLLM's PD proxy does.
+the decode instance, as vLLM's PD proxy does. Answers name the instance that made them (`x-coral-instance`) only
+with `GatewayConfig.instance_header`, or for a request bearing the admin token in `X-Coral-Admin-Token`. A request
+carrying both Content-Length and Transfer-Encoding gets 400 `ambiguous_framing` before anything else
+(`FramingGuard`), and its connection is closed.
 
 Timeouts per phase, from the model's SLOs (`Budget`; `coral serve` sets k x the TTFT and TPOT SLOs), less the time
 the request waited for admission: the prefill call must answer within the prefill budget; an answer's first byte
@@ -46,7 +51,7 @@ share of the pool's in-flight ones).
 
 from __future__ import annotations
 
-from coral.runtime.gateway.access import AccessGuard, RateLimiter
+from coral.runtime.gateway.access import AccessGuard, FramingGuard, RateLimiter
 from coral.runtime.gateway.app import create_gateway_app
 from coral.runtime.gateway.config import (
     CHARS_PER_TOKEN,
@@ -68,6 +73,7 @@ __all__ = [
     "AccessGuard",
     "BodyRefused",
     "Budget",
+    "FramingGuard",
     "Gateway",
     "GatewayConfig",
     "RateLimiter",

@@ -1,4 +1,5 @@
-"""Access to the gateway: credentials per path (`AccessGuard`) and rate limits per key (`RateLimiter`)."""
+"""Access to the gateway: credentials per path (`AccessGuard`), rate limits per key (`RateLimiter`) and requests
+framed two ways refused (`FramingGuard`)."""
 
 from __future__ import annotations
 
@@ -79,4 +80,23 @@ class AccessGuard:
         await self.app(scope, receive, send_with_cookie)
 
 
+class FramingGuard:
+    """ASGI middleware: a request with both Content-Length and Transfer-Encoding gets 400 before anything else
+    reads it, and its connection is closed (RFC 9112 section 6.1 allows the refusal: a proxy and a server that
+    each take a different one of the two framings would see different requests, the smuggling of one inside
+    another)."""
 
+    def __init__(self, app: Callable[[Scope, Receive, Send], Awaitable[None]], gateway: Gateway) -> None:
+        self.app, self.gw = app, gateway
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            names = {name.lower() for name, _ in scope["headers"]}
+            if b"content-length" in names and b"transfer-encoding" in names:
+                self.gw.requests.labels("", "bad_request").inc()
+                msg = ("a request may not carry both Content-Length and Transfer-Encoding headers (RFC 9112 "
+                       "section 6.1): send one")
+                refusal = error_response(400, msg, "ambiguous_framing")
+                refusal.headers["connection"] = "close"
+                return await refusal(scope, receive, send)
+        await self.app(scope, receive, send)

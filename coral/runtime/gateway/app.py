@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import math
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -15,7 +14,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from coral.openai_shapes import InvalidRequest, parse_request
-from coral.runtime.gateway.access import AccessGuard
+from coral.runtime.gateway.access import AccessGuard, FramingGuard
 from coral.runtime.gateway.config import (
     MAX_CHARS_PER_TOKEN,
     UNKNOWN_MODEL,
@@ -24,6 +23,7 @@ from coral.runtime.gateway.config import (
     prompt_tokens,
 )
 from coral.runtime.gateway.errors import (
+    SHUTDOWN_MESSAGE,
     BodyRefused,
     UpstreamError,
     error_response,
@@ -34,7 +34,7 @@ from coral.runtime.gateway.errors import (
 from coral.runtime.gateway.relay import forward
 from coral.runtime.gateway.upstream import Gateway, RelayResponse
 from coral.runtime.registry import Registry
-from coral.runtime.server import unless_disconnected
+from coral.runtime.server import closing_event, unless_disconnected
 
 
 def length_error(config: GatewayConfig, body: dict[str, Any], chat: bool) -> JSONResponse | None:
@@ -62,26 +62,34 @@ def create_gateway_app(
     extra_routers: Sequence[APIRouter] = (),
     health_checks: bool = True,
 ) -> FastAPI:
-    """The gateway FastAPI app; `app.state.gateway` is the `Gateway` (its `.state()` feeds dashboards)."""
+    """The gateway FastAPI app; `app.state.gateway` is the `Gateway` (its `.state()` feeds dashboards). When its
+    server's grace is over (`closing_event`), `Gateway.shut` ends what is still open."""
     gw = Gateway(registry, config or GatewayConfig())
     created = int(time.time())
 
+    async def shut_when_closing(closing: asyncio.Event) -> None:
+        await closing.wait()
+        gw.shut()
+
     @asynccontextmanager
-    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+    async def lifespan(served: FastAPI) -> AsyncIterator[None]:
         await gw.open()
-        task = asyncio.create_task(gw.health_loop()) if health_checks else None
+        tasks = [asyncio.create_task(shut_when_closing(closing_event(served)))]
+        if health_checks:
+            tasks.append(asyncio.create_task(gw.health_loop()))
         try:
             yield
         finally:
-            if task is not None:
+            for task in tasks:
                 task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+            await asyncio.gather(*tasks, return_exceptions=True)
             await gw.close()
 
     app = FastAPI(title="coral gateway", lifespan=lifespan)
     app.state.gateway = gw
+    closing_event(app)
     app.add_middleware(AccessGuard, gateway=gw)
+    app.add_middleware(FramingGuard, gateway=gw)  # outermost: before the credentials are read
     install_openai_errors(app)
     for r in extra_routers:
         app.include_router(r)
@@ -151,7 +159,22 @@ def create_gateway_app(
             gw.requests.labels(model, "no_instance").inc()
             msg = f"no ready instance for {model}"
             return error_response(503, msg, "service_unavailable", None, gw.config.retry_after_s)
-        queued = time.perf_counter()
+        if gw.closing:
+            return shutting_down(model)
+        work = asyncio.ensure_future(admitted(request, path, raw, body, start))
+        gw.pending.add(work)
+        work.add_done_callback(gw.pending.discard)
+        answer = await unless_disconnected(request, work)
+        if answer is not None:
+            return answer
+        if gw.closing:  # `Gateway.shut` cancelled it
+            return shutting_down(model)
+        gw.record(model, start, None, "client_gone")  # the client left: its upstream calls were cancelled
+        return Response(status_code=499)
+
+    async def admitted(request: Request, path: str, raw: bytes, body: dict[str, Any], start: float) -> Response:
+        """The answer to a validated request once admitted (429 when the admission queue is full or too slow)."""
+        model, queued = body["model"], time.perf_counter()
         try:
             await gw.admit(admission_wait_s(gw.config, model))
         except UpstreamError as exc:
@@ -159,16 +182,16 @@ def create_gateway_app(
             return error_response(exc.status, str(exc), exc.code, None, gw.config.retry_after_s)
         handed_off = False
         try:
-            work = forward(gw, request, path, raw, body, start, time.perf_counter() - queued)
-            answer = await unless_disconnected(request, work)
-            if answer is None:  # the client left: its upstream calls were cancelled
-                gw.record(model, start, None, "client_gone")
-                return Response(status_code=499)
+            answer = await forward(gw, request, path, raw, body, start, time.perf_counter() - queued)
             handed_off = isinstance(answer, RelayResponse)
             return answer
         finally:
             if not handed_off:
                 gw.leave()
+
+    def shutting_down(model: str) -> JSONResponse:
+        gw.requests.labels(model, "shutdown").inc()
+        return error_response(503, SHUTDOWN_MESSAGE, "server_shutdown", None, gw.config.retry_after_s)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

@@ -66,6 +66,9 @@ OPEN_PATHS = frozenset({"/health"})
 """Answered without credentials (load-balancer and orchestrator probes)."""
 READ_PATHS = frozenset({"/metrics", "/gateway/state", "/state", "/dashboard", "/dashboard/state.json"})
 ADMIN_PATHS = frozenset({"/replan"})
+ADMIN_TOKEN_HEADER = "x-coral-admin-token"
+"""A request bearing the admin token in this header gets its answer's instance id (`x-coral-instance`) even
+without `GatewayConfig.instance_header`."""
 TOKEN_COOKIE = "coral_token"
 """Browsers open `/dashboard?token=TOKEN` once; the page's polls then send the token as this cookie (HttpOnly,
 SameSite=Strict, Path=/dashboard)."""
@@ -130,6 +133,9 @@ class GatewayConfig:
     """Digests of read-only tokens: GET on `READ_PATHS` (dashboard, metrics, state) and nothing else."""
     admin_token_digests: frozenset[str] = field(default=frozenset(), repr=False)
     """Digests of admin tokens: `ADMIN_PATHS` (`/replan`) and `READ_PATHS`."""
+    instance_header: bool = False
+    """Whether every answer names the instance that made it (`x-coral-instance`: plan ids, internal); off, only
+    requests bearing an admin token in `ADMIN_TOKEN_HEADER` see it."""
 
     def context_of(self, model: str) -> int:
         """The context length of `model` in tokens (prompt + output)."""

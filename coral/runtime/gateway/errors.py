@@ -79,29 +79,45 @@ class BodyRefused(Exception):
         return resp
 
 
+#: a refused body up to this many bytes past the limit is still read (and dropped) within the time limit, so a
+#: client still sending it reads the 413: closing a connection on unread data resets it, and the answer is lost
+DRAIN_BYTES = 64 << 20
+
+
 async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
-    """The request body, however it is framed (Content-Length or chunked); BodyRefused past `limit` bytes
-    (without reading the rest) or when it has not all arrived within `timeout_s`."""
+    """The request body, however it is framed (Content-Length or chunked); BodyRefused past `limit` bytes (the
+    rest read and dropped up to `DRAIN_BYTES` more, within `timeout_s`) or when it has not all arrived within
+    `timeout_s`."""
     too_large = BodyRefused(413, f"request body over {limit} bytes", "request_too_large")
     declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
+    over = declared is not None and declared.isdigit() and int(declared) > limit
+    if over and int(declared or 0) > limit + DRAIN_BYTES:
         raise too_large
     chunks, size = [], 0
     try:
         async with asyncio.timeout(timeout_s):
             async for chunk in request.stream():
                 size += len(chunk)
-                if size > limit:
-                    raise too_large
-                chunks.append(chunk)
+                if size > limit + DRAIN_BYTES:
+                    break
+                if size <= limit:
+                    chunks.append(chunk)
     except TimeoutError:
+        if over or size > limit:
+            raise too_large from None
         raise BodyRefused(408, f"request body not received within {timeout_s:g} s", "request_timeout") from None
+    if over or size > limit:
+        raise too_large
     return b"".join(chunks)
 
 
+def sse_error(message: str, code: str = "upstream_error", status: int = 502) -> bytes:
+    """An SSE event of OpenAI's error shape, ending a stream that started: `code`, the `type` of `status`."""
+    return f"data: {json.dumps(error_body(message, error_type(status), code=code))}\n\n".encode()
 
-def sse_error(message: str) -> bytes:
-    return f"data: {json.dumps(error_body(message, 'server_error', code='upstream_error'))}\n\n".encode()
+
+SSE_DONE = b"data: [DONE]\n\n"
+SHUTDOWN_MESSAGE = "the gateway is shutting down: send the request again"
 
 
 

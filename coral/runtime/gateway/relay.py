@@ -14,7 +14,14 @@ from fastapi.responses import Response
 
 from coral.runtime.aiohttp_pool import AiohttpResponse
 from coral.runtime.gateway.config import answer_budget, prompt_tokens
-from coral.runtime.gateway.errors import UpstreamError, error_response, request_id_of, sse_error
+from coral.runtime.gateway.errors import (
+    SHUTDOWN_MESSAGE,
+    SSE_DONE,
+    UpstreamError,
+    error_response,
+    request_id_of,
+    sse_error,
+)
 from coral.runtime.gateway.stats import TokenClock
 from coral.runtime.gateway.upstream import Gateway, RelayResponse
 from coral.runtime.registry import Endpoint
@@ -42,12 +49,18 @@ async def forward(
     """Answer a validated, admitted request `body` (received as `raw`, at perf_counter `start`, after `waited_s`
     in the admission queue, which its budgets lose): a prefill call first when the model has a prefill pool,
     then the answer; a streamed answer is a `RelayResponse` that releases the admission slot when done
-    (otherwise the caller releases it)."""
+    (otherwise the caller releases it), and that ends with an error event and `[DONE]` when `Gateway.shut` cuts
+    it. The answer names its instance (`x-coral-instance`) when `Gateway.shows_instance`."""
     registry, model = gw.registry, body["model"]
     prefill_first, answer_phase = gw.pd_pools(model)
     rid = request_id_of(request.headers.get("x-request-id"))
     cls = registry.class_of(model, prompt_tokens(body))
     ids = {"x-request-id": rid}
+    shown = gw.shows_instance(request)
+
+    def named(ep: Endpoint) -> dict[str, str]:
+        """The answer's headers: its request id, and its instance when `shown`."""
+        return {**ids, "x-coral-instance": ep.id} if shown else ids
     prefilled_at: float | None = None  # when the prefill instance answered: the first token is made
     try:
         upstream = raw  # forwarded as received unless the PD path adds the KV-transfer parameters
@@ -83,7 +96,7 @@ async def forward(
                 return await gw.open_stream(model, phase, path, payload, rid, budget, cls)
             status, answer, ep = await gw.call(model, phase, path, payload, rid, budget, cls)
             gw.record(model, start, None, "ok" if status < 400 else "error", prefilled_at)
-            return Response(answer, status, media_type="application/json", headers={**ids, "x-coral-instance": ep.id})
+            return Response(answer, status, media_type="application/json", headers=named(ep))
 
         try:
             opened = await open_answer(answer_phase, upstream)
@@ -100,7 +113,7 @@ async def forward(
         gw.record(model, start, None, "refused" if exc.backpressure else "error")
         return error_response(exc.status, str(exc), exc.code, None, exc.retry_after or gw.config.retry_after_s)
     first_at = time.perf_counter()
-    outcome = {"ok": False, "done": False}
+    outcome = {"ok": False, "done": False, "shut": False}
     clock = TokenClock()
 
     async def relay() -> AsyncIterator[bytes]:
@@ -118,7 +131,11 @@ async def forward(
             yield sse_error(f"{ep.id} stalled mid-answer: no chunk to any of its streams within {budget.gap_s:.3g} s"
                             f"{whole}")
         except OSError as exc:
-            yield sse_error(f"{ep.id} failed mid-stream: {type(exc).__name__}")
+            if gw.closing:  # cut by `Gateway.shut`
+                outcome["shut"] = True
+                yield sse_error(SHUTDOWN_MESSAGE, "server_shutdown", 503) + SSE_DONE
+            else:
+                yield sse_error(f"{ep.id} failed mid-stream: {type(exc).__name__}")
         release()  # before the response's end is sent (on a cut connection RelayResponse's cleanup releases)
 
     def release() -> None:
@@ -126,9 +143,11 @@ async def forward(
         if outcome["done"]:
             return
         outcome["done"] = True
-        registry.release(ep, outcome["ok"])
-        gw.upstream.labels(ep.id, ep.phase, "ok" if outcome["ok"] else "error").inc()
-        gw.record(model, start, first_at, "ok" if outcome["ok"] else "error", clock.first, clock.tpot_s)
+        gw.relayed.discard(resp)
+        ok, shut = outcome["ok"], outcome["shut"]
+        registry.release(ep, None if shut else ok)  # the instance did not fail a stream the shutdown cut
+        gw.upstream.labels(ep.id, ep.phase, "ok" if ok else "shutdown" if shut else "error").inc()
+        gw.record(model, start, first_at, "ok" if ok else "shutdown" if shut else "error", clock.first, clock.tpot_s)
         gw.leave()
 
     async def cleanup() -> None:
@@ -136,6 +155,5 @@ async def forward(
         await resp.aclose()
 
     media = resp.headers.get("content-type", "text/event-stream")
-    return RelayResponse(
-        relay(), cleanup, status_code=resp.status_code, media_type=media, headers={**ids, "x-coral-instance": ep.id}
-    )
+    gw.relayed.add(resp)
+    return RelayResponse(relay(), cleanup, status_code=resp.status_code, media_type=media, headers=named(ep))

@@ -19,7 +19,7 @@ from starlette.types import Receive, Scope, Send
 from coral.openai_shapes import bearer_token
 from coral.runtime.aiohttp_pool import AiohttpPool, AiohttpResponse
 from coral.runtime.gateway.access import RateLimiter
-from coral.runtime.gateway.config import UNKNOWN_MODEL, Budget, GatewayConfig, key_digest
+from coral.runtime.gateway.config import ADMIN_TOKEN_HEADER, UNKNOWN_MODEL, Budget, GatewayConfig, key_digest
 from coral.runtime.gateway.errors import UpstreamError
 from coral.runtime.gateway.stats import Answer, InflightCollector, pct
 from coral.runtime.registry import Endpoint, InstanceState, Registry
@@ -117,6 +117,30 @@ class Gateway:
         self.upstream_headers = {"Content-Type": "application/json"}
         if config.upstream_api_key:
             self.upstream_headers["Authorization"] = f"Bearer {config.upstream_api_key}"
+        self.closing = False
+        """Set by `shut`: the server's grace is over."""
+        self.pending: set[asyncio.Task[Any]] = set()
+        """Requests admitted or queued for admission, until their answer (or a stream's first chunk) is ready."""
+        self.relayed: set[AiohttpResponse] = set()
+        """Upstream answers being streamed to clients."""
+
+    def shows_instance(self, request: Request) -> bool:
+        """Whether the answer to `request` names its instance (`x-coral-instance`): with
+        `GatewayConfig.instance_header`, or for a request bearing an admin token in `ADMIN_TOKEN_HEADER`."""
+        if self.config.instance_header:
+            return True
+        token = request.headers.get(ADMIN_TOKEN_HEADER)
+        return token is not None and key_digest(token) in self.config.admin_token_digests
+
+    def shut(self) -> None:
+        """The server's grace is over (`coral.runtime.server.closing_event`): requests without an answer yet are
+        cancelled (the client gets 503 `server_shutdown`), and the upstream answers being streamed are cut, each
+        stream ending with an SSE error event of that code and `[DONE]` (`relay.forward`)."""
+        self.closing = True
+        for task in list(self.pending):
+            task.cancel()
+        for answer in list(self.relayed):
+            answer.resp.close()
 
     def principal(self, request: Request) -> str:
         """Who sends `request` (rate limits): the digest of its API key when keys are configured (`AccessGuard`
@@ -175,7 +199,8 @@ class Gateway:
             raise UpstreamError(429, "gateway overloaded: admission queue is full", "overloaded")
         self.waiting += 1
         try:
-            await asyncio.wait_for(self.sem.acquire(), wait_s)
+            async with asyncio.timeout(wait_s):  # a cancelled acquire holds no slot (wait_for's may, on 3.11)
+                await self.sem.acquire()
         except TimeoutError:
             msg = f"gateway overloaded: queued {wait_s:.3g} s, too long to answer in time"
             raise UpstreamError(429, msg, "overloaded") from None
