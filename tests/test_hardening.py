@@ -331,6 +331,43 @@ def test_a_request_still_running_after_the_grace_is_cancelled_with_a_503_and_no_
     assert "Traceback" not in log and "CancelledError" not in log and "ERROR" not in log, log
 
 
+def test_a_stream_still_running_after_the_grace_ends_with_an_error_event_and_done(capfd):
+    """An app without a `closing_event` whose SSE stream had started: past the grace the server cancels it and ends
+    the stream itself, with an error event and `[DONE]` (uvicorn logged "ASGI callable returned without
+    completing response" at ERROR for each: 7 in one run of `benchmarks/reliability.py`)."""
+    from fastapi import FastAPI
+    from starlette.responses import StreamingResponse
+
+    app = FastAPI()
+    entered = threading.Event()
+
+    @app.get("/stream")
+    async def stream() -> StreamingResponse:
+        async def events():  # type: ignore[no-untyped-def]
+            yield b'data: {"choices": [{"index": 0, "text": "a"}]}\n\n'
+            entered.set()
+            await asyncio.sleep(3600)
+            yield b"never"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    srv = ServerThread(app, grace_s=0.1).start()
+    bodies: list[str] = []
+
+    def read() -> None:
+        with httpx.stream("GET", f"{srv.url}/stream", timeout=60) as r:
+            bodies.append(r.read().decode())
+
+    client = threading.Thread(target=read, daemon=True)
+    client.start()
+    assert entered.wait(30)
+    srv.stop(timeout_s=30)
+    client.join(30)
+    assert bodies and bodies[0].rstrip().endswith("data: [DONE]") and '"server_shutdown"' in bodies[0]
+    log = capfd.readouterr().err
+    assert "Traceback" not in log and "ERROR" not in log, log
+
+
 def wait_until(check, tries: int = 600) -> bool:
     """Poll `check` (bounded: `tries` x 0.1 s)."""
     for _ in range(tries):

@@ -196,6 +196,38 @@ def test_an_instance_whose_health_fails_is_out_at_the_next_probe():
         well.stop()
 
 
+def test_a_probe_unanswered_while_the_instance_streams_is_not_counted_against_it():
+    """Under 1,000 clients an engine's loop fell behind its /health probes while it streamed answers: two
+    unanswered probes took the only decode instance out and 16 requests got 503 (`benchmarks/reliability.py`).
+    A silent instance still goes out after `unhealthy_after` unanswered probes; a busy one does not."""
+    registry = Registry()
+    busy = registry.add(Endpoint("busy", "m", "decode", "http://127.0.0.1:9", 1.0, InstanceState.READY))
+    silent = registry.add(Endpoint("silent", "m", "decode", "http://127.0.0.1:9", 1.0, InstanceState.READY))
+    gw = Gateway(registry, GatewayConfig(unhealthy_after=2, health_timeout_s=0.2))
+
+    async def probes() -> None:
+        await gw.open()
+        try:
+            for _ in range(3):
+                busy.progress_at = asyncio.get_running_loop().time()  # a chunk delivered just now
+                await gw.check_health()
+        finally:
+            await gw.close()
+
+    asyncio.run(probes())
+    assert busy.routable and busy.health_failures == 0
+    assert not silent.routable and silent.health_failures == 3
+
+    async def connections_fail() -> None:  # a connection to a busy instance timed out: it stays in
+        busy.progress_at = asyncio.get_running_loop().time()
+        for ep in (busy, silent):
+            ep.healthy, ep.inflight = True, 1
+            gw._fail(ep, ConnectionError("timed out"))
+
+    asyncio.run(connections_fail())
+    assert busy.routable and not silent.routable
+
+
 def test_a_pd_model_whose_decode_pool_is_lost_is_answered_by_its_prefill_pool():
     with stack() as s:
         s.engine("p0", "m", "prefill", 1.0, FAST)

@@ -190,8 +190,8 @@ class DrainingServer(uvicorn.Server):
 
 class _EndQuietly:
     """ASGI wrapper: a request cancelled by its server's shutdown ends without the traceback uvicorn logs for any
-    exception: a 503 in OpenAI's error shape when its response had not started (else uvicorn closes the
-    connection, the answer cut)."""
+    exception: a 503 in OpenAI's error shape when its response had not started, an SSE error event and `[DONE]`
+    when it had started a stream (else uvicorn closes the connection, the answer cut)."""
 
     def __init__(self, app: Any, server: uvicorn.Server) -> None:
         self.app, self.server = app, server
@@ -199,11 +199,14 @@ class _EndQuietly:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        started = False
+        started = stream = False
 
         async def tracked(message: Message) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
+            nonlocal started, stream
+            if message["type"] == "http.response.start":
+                started = True
+                stream = any(k.lower() == b"content-type" and v.startswith(b"text/event-stream")
+                             for k, v in message.get("headers", []))
             await send(message)
 
         try:
@@ -211,11 +214,14 @@ class _EndQuietly:
         except asyncio.CancelledError:
             if not self.server.should_exit:
                 raise
+            body = error_body("the server is shutting down", error_type(503), None, "server_shutdown")
             if not started:
-                body = error_body("the server is shutting down", error_type(503), None, "server_shutdown")
                 await send({"type": "http.response.start", "status": 503,
                             "headers": [(b"content-type", b"application/json"), (b"connection", b"close")]})
                 await send({"type": "http.response.body", "body": json.dumps(body).encode()})
+            elif stream:
+                end = f"data: {json.dumps(body)}\n\ndata: [DONE]\n\n".encode()
+                await send({"type": "http.response.body", "body": end, "more_body": False})
 
 
 def free_port(host: str = "127.0.0.1") -> int:

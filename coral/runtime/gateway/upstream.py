@@ -174,7 +174,9 @@ class Gateway:
 
     async def check_health(self) -> None:
         """Probe `/health` of every non-stopped instance: unhealthy at once when it answers anything but 200 (an
-        engine that lost a node says 503), after `unhealthy_after` probes in a row without an answer."""
+        engine that lost a node says 503), after `unhealthy_after` probes in a row without an answer. A probe
+        unanswered while the instance is still delivering chunks to its streams is not counted: it is busy (its
+        event loop behind under load), not down, and taking it out would refuse work it is doing."""
         client = self.probe_client
         if client is None:
             return
@@ -187,6 +189,8 @@ class Gateway:
                 ok = r.status_code == 200
             except httpx.HTTPError:
                 ok = answered = False
+            if not answered and self.busy(ep):
+                return
             ep.health_failures = 0 if ok else ep.health_failures + 1
             ep.healthy = ok or (not answered and ep.health_failures < self.config.unhealthy_after)
 
@@ -241,10 +245,15 @@ class Gateway:
         return out
 
     # --- upstream calls -----------------------------------------------------------------------------
+    def busy(self, ep: Endpoint) -> bool:
+        """Whether `ep` delivered a chunk to one of its answers within the last `health_timeout_s`: alive, so an
+        unanswered probe or a connection that timed out means its loop is behind under load, not that it is down."""
+        return asyncio.get_running_loop().time() - ep.progress_at < self.config.health_timeout_s
+
     def _fail(self, ep: Endpoint, exc: BaseException | None) -> None:
         self.registry.release(ep, ok=False)
         self.upstream.labels(ep.id, ep.phase, "error").inc()
-        if isinstance(exc, OSError):
+        if isinstance(exc, OSError) and not self.busy(ep):
             ep.healthy = False  # passive health: the probe loop brings it back
 
     def eject(self, ep: Endpoint) -> None:
