@@ -595,7 +595,13 @@ def test_nodes_an_availability_step_removes_stop_serving_and_billing_at_the_step
     assert len(lost) == 1 and [i.stop_s for i in res.instances if i not in lost] == [pytest.approx(res.end_s)]
     per_hour = sum(i.cost_per_hour for i in res.instances)
     assert res.total_cost == pytest.approx((per_hour * 30 + (per_hour - lost[0].cost_per_hour) * 30) / 3600)
-    assert res.finished == 3 and res.unfinished == 2  # arrivals at 0, 10, 20 served; 30 and 40 not
+    # arrivals at 0, 10, 20 served; 30 (routed just before the step at 30 s) and 40 never: 40 finds the lost phase
+    # with no capacity and is shed at arrival, not queued for an instance that never comes (with shed="off" both
+    # wait, unfinished)
+    assert res.finished == 3 and res.refused == 1 and res.unfinished == 1
+    off = simulate(PLAN_PHI, SC, one_model(fixed(5, 10.0, 100, 3)), duration_s=60, epoch_s=30.0,
+                   availability=sched, shed="off")
+    assert off.finished == 3 and off.unfinished == 2 and off.refused == 0
     assert any(n.startswith(f"{REGION}:1xL40S fell below the nodes held at 30 s: lost {lost[0].id}")
                for n in res.notes)
 
@@ -613,7 +619,7 @@ def test_requests_of_a_lost_instance_are_routed_again_or_fail_with_a_reason() ->
                             instance("phi-4", "decode", [(40, ["4xA10G"])], 3, 4)])
     sched = AvailabilitySchedule.model_validate({"steps": [{"at_s": 20, "counts": {REGION: {"1xL40S": 0}}}]})
     reqs = fixed(400, 0.1, 2000, 200)
-    res = simulate(plan, SC, one_model(reqs), duration_s=40, availability=sched, drain_limit_s=3600.0)
+    res = simulate(plan, SC, one_model(reqs), duration_s=40, availability=sched, drain_limit_s=3600.0, shed="off")
     (note,) = [n for n in res.notes if n.startswith("instances lost with their nodes")]
     again, failed = (int(x) for x in re.findall(r"(\d+) requests routed again, (\d+) lost", note)[0])
     assert again > 0 and failed > 0 and res.unfinished == failed and res.finished == len(reqs) - failed
@@ -640,6 +646,33 @@ def test_before_a_schedules_first_step_the_scenarios_availability_holds() -> Non
     assert [d.availability[REGION]["1xL40S"] for d in seen if d.availability] == [PLENTY, PLENTY, 1]
     assert res.finished == 10  # every request arrived before 50 s, and was served
     assert [n for n in res.notes if "fell below the nodes held at 50 s" in n]
+
+
+def test_a_plan_serving_part_of_a_model_sheds_the_excess_at_arrival_as_the_gateway_does() -> None:
+    """phi-4 offered 3x what its one PD pair serves, for 60 s. Unshed, the queue grows and requests arriving late
+    miss their TTFT SLO; shed at the capacity serving the model (the plan serves only a share: goodput mode), the
+    excess is refused at arrival and the admitted requests meet their SLOs. A plan that serves all of its demand
+    sheds nothing unless told to ("always")."""
+    from coral.allocation.shedding import sheds
+
+    plan = PLAN_PHI.model_copy(deep=True)
+    decode = next(s for s in plan.serving if s.phase == "decode")
+    rate = 3 * decode.capacity / 200  # requests/s of 200 output tokens: 3x the decode capacity
+    reqs = one_model(fixed(int(60 * rate), 1 / rate, 1000, 200))
+    for s in plan.serving:
+        s.demand, s.served_fraction = 3 * s.capacity, 1 / 3
+    assert sheds(plan) and not sheds(PLAN_PHI)
+    shed = simulate(plan, SC, reqs, duration_s=60, drain_limit_s=3600.0)
+    unshed = simulate(plan, SC, reqs, duration_s=60, drain_limit_s=3600.0, shed="off")
+    n = len(reqs["phi-4"])
+    assert unshed.refused == 0 and 0.5 * n < shed.refused < 0.8 * n
+    admitted = n - shed.refused
+    good_share = shed.slo_attainment * n / admitted  # of the requests admitted
+    assert good_share > 0.9 and good_share > 2 * unshed.slo_attainment
+    assert shed.goodput_tokens_s > unshed.goodput_tokens_s
+    assert any("shed at arrival" in note for note in shed.notes)
+    assert simulate(PLAN_PHI, SC, reqs, duration_s=60, drain_limit_s=3600.0).refused == 0  # serves all: no shedding
+    assert simulate(PLAN_PHI, SC, reqs, duration_s=60, drain_limit_s=3600.0, shed="always").refused > 0
 
 
 def test_oracle_forecast_shows_the_coming_epoch() -> None:

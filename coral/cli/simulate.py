@@ -139,6 +139,9 @@ def simulate_cmd(
     headroom: float = typer.Option(1.0, help="allocator: plan for observed demand x this"),
     handover: bool = typer.Option(True, help="removed instances serve until their replacements are ready"),
     oracle: bool = typer.Option(False, help="allocator sees the coming epoch's demand, not the previous one's"),
+    shed: str = typer.Option("plan", help="refuse requests beyond the capacity serving their model at arrival, as "
+                             "the gateway does (coral.allocation.shedding): plan (while the plan serves only a share "
+                             "of some model's demand, or a model lost instances) | always | off"),
     requests_csv: bool = typer.Option(False, help="also write requests.csv (one row per request)"),
     kv_reserve: str = typer.Option("mean", help="KV charged per decoding request: mean (prompt + output/2) or max"),
     out: Path = typer.Option(DEFAULT_OUT, help="output folder (library looked up here; results in "
@@ -164,6 +167,8 @@ def simulate_cmd(
         raise CoralInputError(f"--kv-reserve must be mean or max, not {kv_reserve!r}")
     check_out_folder(out)
     say = out_console(as_json)
+    if shed not in ("plan", "always", "off"):
+        raise CoralInputError(f"--shed: must be plan, always or off, not {shed!r}")
     sc, cat = scenario_and_market(scenario, offerings)
     duration_s = duration or sc.epochs * sc.epoch_minutes * 60.0
     names = [m.model for m in sc.models]
@@ -196,7 +201,7 @@ def simulate_cmd(
             result = simulate(
                 runner, sc, requests, duration_s=duration_s, seed=seed, router=r, startup_delay_s=startup_delay,
                 availability=sched, handover=handover, forecast="oracle" if oracle else "previous",
-                kv_reserve=kv_reserve,  # type: ignore[arg-type]
+                shed=shed, kv_reserve=kv_reserve,  # type: ignore[arg-type]
             )
         result.notes.extend(log)
         why = unfinished_reasons(result, sc, fixed_plan, requests, duration_s) if fixed_plan is not None else []

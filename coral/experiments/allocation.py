@@ -93,7 +93,8 @@ class Judge:
             self._workloads[key] = workload_for(sc, duration, HELD_OUT_SEED, part="held_out")
         offered = self._workloads[key]
         admitted = thinned(offered, plan.model_shares(), HELD_OUT_SEED)
-        sim = simulate(plan, sc, admitted, duration_s=duration, seed=HELD_OUT_SEED, catalog=catalog)
+        # the share admitted is thinned here, as the paper scores partial service: no shedding on top of it
+        sim = simulate(plan, sc, admitted, duration_s=duration, seed=HELD_OUT_SEED, catalog=catalog, shed="off")
         tokens = sum(float(r.output_tokens.sum()) for r in offered.values()) / duration
         requests = {m: len(r) for m, r in offered.items()}
         att = {m.model: m.slo_attainment for m in sim.models}

@@ -39,6 +39,7 @@ from typing import Any, Generic, TypeVar
 import numpy as np
 
 from coral.allocation.plan import Plan, PlanClass, PlanInstance, SolveReport, class_indices
+from coral.allocation.shedding import Shedder, shed_capacity
 from coral.catalog.loader import Catalog
 from coral.perf.model import Workload
 from coral.simulation.kernels import KernelCache, NodeKernel, decode_step
@@ -318,6 +319,8 @@ class Engine:
         handover: bool = True,
         kv_reserve: str = "mean",
         available: Callable[[float], Counts] | None = None,
+        shedder: Shedder | None = None,
+        shed: str = "plan",
     ) -> None:
         if router not in ("wrr", "lor"):
             raise ValueError(f"router must be 'wrr' or 'lor', not {router!r}")
@@ -329,6 +332,12 @@ class Engine:
         self.startup = startup_delay_s
         self.handover = handover
         self.available = available  # node counts in force at a time (None: unlimited)
+        if shed not in ("plan", "always", "off"):
+            raise ValueError(f"shed must be 'plan', 'always' or 'off', not {shed!r}")
+        self.shedder, self.shed = shedder, shed
+        self.shedding = False  # some (model, phase) is shed now (coral.allocation.shedding)
+        self.plan_in_force: Plan | None = None
+        self.down: set[tuple[str, str]] = set()  # (model, phase)s that lost instances, until back to their plan
         self.horizon = horizon_s
         n = len(arrival)
         self.n = n
@@ -353,6 +362,7 @@ class Engine:
         self.t_first = [float("nan")] * n
         self.t_done = [float("nan")] * n
         self.t_admit = [float("nan")] * n  # decode admission (KV room found, transfer starts)
+        self.refused = [False] * n  # shed at arrival: beyond the capacity serving its model
         self.done_count = [0] * n
         self.p_inst: list[Instance | None] = [None] * n
         self.p_nodes: list[tuple[PNode, ...]] = [()] * n
@@ -404,6 +414,7 @@ class Engine:
                     new_ready[inst.key] = ready
         for rest in have.values():
             retire += rest
+        self.plan_in_force = plan
         if plan.request_classes != self.classes:
             self.classes = plan.request_classes
             self.req_class = request_classes(self.classes, self.models, self.model_of, self.inp_array)
@@ -459,6 +470,8 @@ class Engine:
         inst.lost = True
         self.stop(inst, t)
         inst.outstanding = 0
+        if was != STARTING:
+            self.down.add(inst.key)
         self.rebuild_routers(t)
         if was == STARTING:
             return
@@ -515,6 +528,12 @@ class Engine:
                 members.setdefault(inst.key, []).append(inst)
         self.routers = members
         self.strides = {}
+        if self.shedder is not None:
+            ready = {k: sum(i.weight for i in v) for k, v in members.items()}
+            shed = shed_capacity(ready, self.plan_in_force, self.shed, self.down)
+            self.down &= set(shed)  # a key back to its planned capacity is no longer down
+            self.shedder.set_capacity(shed, t)
+            self.shedding = bool(shed)
         for key in list(self.backlog):
             if key in self.routers:
                 waiting = self.backlog.pop(key)
@@ -546,6 +565,12 @@ class Engine:
         inst.outstanding -= 1
         if inst.state == DRAINING and inst.outstanding == 0:
             self.stop(inst, t)
+
+    def shed_at_arrival(self, r: int, t: float) -> bool:
+        """Whether request `r`, arriving at `t`, is beyond the capacity serving its model (the gateway's rule:
+        `coral.allocation.shedding`)."""
+        assert self.shedder is not None
+        return self.shedder.admit(self.models[self.mod[r]], self.inp[r], self.out[r], t) > 0
 
     # --- prefill ----------------------------------------------------------------------------------------
     def route_prefill(self, r: int, t: float) -> None:
@@ -757,7 +782,10 @@ class Engine:
         while True:
             if ai < n and (not heap or arr[ai] <= heap[0][0]):
                 t = arr[ai]
-                self.route_prefill(ai, t)
+                if self.shedding and self.shed_at_arrival(ai, t):
+                    self.refused[ai] = True
+                else:
+                    self.route_prefill(ai, t)
                 ai += 1
                 continue
             if not heap:

@@ -49,6 +49,7 @@ class ModelMetrics(_Result):
     tpot_slo_ms: float | None = None
     requests: int
     finished: int
+    refused: int = Field(default=0, description="shed at arrival (coral.allocation.shedding); never finished")
     ttft_ms: LatencyStats
     tpot_ms: LatencyStats = Field(description="over requests generating >= 2 tokens")
     decode_wait_ms: LatencyStats = Field(description="first token to decode admission (KV room and a slot)")
@@ -105,7 +106,8 @@ class SimResult(_Result):
     startup_delay_s: float
     requests: int
     finished: int
-    unfinished: int
+    unfinished: int = Field(description="admitted, not finished within the drain limit")
+    refused: int = Field(default=0, description="shed at arrival: beyond the capacity serving their model")
     wall_s: float = 0.0
     requests_per_wall_s: float = 0.0
     mean_cost_per_hour: float
@@ -314,6 +316,7 @@ def collect(
     t_first = np.asarray(engine.t_first)
     t_done = np.asarray(engine.t_done)
     done = np.asarray(engine.done_count, dtype=np.int64) > 0
+    refused = np.asarray(engine.refused, dtype=bool)
     ttft = t_first - arr
     wait = np.asarray(engine.t_admit) - t_first
     with np.errstate(invalid="ignore", divide="ignore"):
@@ -334,6 +337,7 @@ def collect(
             tpot_slo_ms=None if k is None else float(tpot_slo_s[k] * 1e3),
             requests=n,
             finished=int((sel & done).sum()),
+            refused=int((sel & refused).sum()),
             ttft_ms=LatencyStats.of(ttft[sel]),
             tpot_ms=LatencyStats.of(tpot[sel & (out > 1)]),
             decode_wait_ms=LatencyStats.of(wait[sel & (out > 1)]),
@@ -382,7 +386,7 @@ def collect(
     result = SimResult(
         scenario=scenario, router=router, seed=seed, duration_s=duration_s, end_s=end, epoch_s=epoch_s,
         startup_delay_s=startup_delay_s, requests=len(arr), finished=int(done.sum()),
-        unfinished=int((~done).sum()), mean_cost_per_hour=total_cost * 3600.0 / duration_s, total_cost=total_cost,
+        unfinished=int((~done & ~refused).sum()), refused=int(refused.sum()), mean_cost_per_hour=total_cost * 3600.0 / duration_s, total_cost=total_cost,
         goodput_tokens_s=overall.goodput_tokens_s, slo_attainment=overall.slo_attainment,
         gpu_utilisation=_utilisation(insts, end, None, None),
         overall=overall, models=models, epochs=epochs, cost_timeline=_cost_timeline(insts, duration_s),
@@ -391,7 +395,7 @@ def collect(
     result._per_request = {
         "arrival_s": arr, "model": mod, "input_tokens": np.asarray(engine.inp), "output_tokens": out,
         "first_token_s": t_first, "decode_admit_s": np.asarray(engine.t_admit), "done_s": t_done, "done_count": np.asarray(engine.done_count),
-        "ttft_s": ttft, "tpot_s": tpot, "good": good, "prefill_instance": p_idx, "decode_instance": d_idx,
+        "ttft_s": ttft, "tpot_s": tpot, "good": good, "refused": refused, "prefill_instance": p_idx, "decode_instance": d_idx,
     }
     return result
 

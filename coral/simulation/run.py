@@ -12,6 +12,7 @@ import numpy as np
 from coral.allocation.availability import market_availability
 from coral.allocation.core import UNLIMITED
 from coral.allocation.plan import Plan
+from coral.allocation.shedding import Shedder
 from coral.catalog.loader import Catalog, CoralInputError, builtin_catalog
 from coral.catalog.schema import Scenario
 from coral.catalog.suggest import did_you_mean
@@ -73,6 +74,7 @@ def simulate(
     forecast: Literal["previous", "oracle"] = "previous",
     kv_reserve: Literal["mean", "max"] = "mean",
     interval_s: float = 60.0,
+    shed: Literal["plan", "always", "off"] = "plan",
 ) -> SimResult:
     """Serve `requests` (default: the scenario's traces, seeded) for `duration_s` with a fixed plan, or with
     `replan(epoch, observed_demand, running_plan) -> Plan` called at the start of every epoch (epoch 0 sees
@@ -88,7 +90,9 @@ def simulate(
     each step on (before the first step the scenario's own is in force, `counts_in_force`); when a step leaves
     fewer nodes than running instances hold, instances on them are lost at once (`Engine.lose`: they stop serving
     and billing, requests not yet decoding are routed again, decoding ones fail), and an instance a re-plan removes
-    is handed over only while its nodes and its replacements' fit the count in force."""
+    is handed over only while its nodes and its replacements' fit the count in force. `shed`: requests beyond the
+    capacity serving their model are refused at arrival, as the gateway refuses them (`coral.allocation.shedding`):
+    while the plan in force serves only a share of some model's demand ("plan"), always, or never ("off")."""
     if duration_s <= 0 or interval_s <= 0:
         raise CoralInputError("duration_s and interval_s must be > 0")
     if forecast not in ("previous", "oracle"):
@@ -118,7 +122,7 @@ def simulate(
     engine = Engine(
         kernels, names, arrival, model_of, inp, out,
         router=router, startup_delay_s=startup_delay_s, horizon_s=duration_s + drain_limit_s, handover=handover,
-        kv_reserve=kv_reserve, available=available,
+        kv_reserve=kv_reserve, available=available, shedder=Shedder.for_scenario(scenario), shed=shed,
     )
 
     def demand_of(epoch: int) -> ObservedDemand:
@@ -200,6 +204,9 @@ def simulate(
     if missing:
         result.notes.append(f"plan serves no instance of: {', '.join(missing)}")
     result.notes += trace.losses
+    if result.refused:
+        result.notes.append(f"{result.refused:,} requests shed at arrival: beyond the capacity serving their model "
+                            f"(shed={shed})")
     if trace.losses:
         result.notes.append(f"instances lost with their nodes: {trace.rerouted} requests routed again, "
                             f"{trace.failed} lost mid-decode (unfinished)")
