@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 
     from coral.allocation.plan import Plan
     from coral.allocation.plan_check import PlanLimits
+    from coral.allocation.shedding import Shedder
     from coral.catalog.loader import Catalog
     from coral.catalog.schema import Scenario
     from coral.deploy.endpoints import EndpointsFile
@@ -36,6 +37,7 @@ if TYPE_CHECKING:
     from coral.runtime.controller import Controller, Store
     from coral.runtime.coral_backend import CoralEngineBackend
     from coral.runtime.gateway import GatewayConfig
+    from coral.runtime.gateway.config import ShedMode
     from coral.runtime.market import MarketWatcher
     from coral.runtime.registry import Registry
     from coral.simulation.engine import ObservedDemand
@@ -86,6 +88,14 @@ def token_timeouts(scenario: Scenario, factor: float) -> dict[str, float]:
     """Per model, how long a streamed answer may go without a chunk, and per output token in the bound of a
     whole answer: `factor` x its TPOT SLO (none when `factor` is 0)."""
     return {m.model: factor * m.decode_slo_ms / 1e3 for m in scenario.models} if factor > 0 else {}
+
+
+def shed_option(value: str, allowed: tuple[ShedMode, ...]) -> ShedMode:
+    """`--shed VALUE` checked against the modes the command offers."""
+    for mode in allowed:
+        if value == mode:
+            return mode
+    raise CoralInputError(f"--shed {value!r}: must be one of {', '.join(allowed)}")
 
 
 def run_server(app: FastAPI, host: str, port: int, grace_s: float) -> None:
@@ -200,11 +210,12 @@ def build_runtime(
     scenario: Scenario | None = None,
     catalog: Callable[[], Catalog] | None = None,
     limits: PlanLimits | None = None,
+    shedder: Shedder | None = None,
 ) -> tuple[FastAPI, Controller]:
     """Gateway app with the controller API (`/state`, `/replan`; `admin_token` guards `/replan`) and dashboard
-    mounted, and its controller. The gateway sends the engines the store's `engine_token`. A plan posted to
-    `/replan` is checked against `catalog()` (default: the built-in catalog), the `scenario` served (None: any)
-    and `limits` (default: `PlanLimits()`)."""
+    mounted, and its controller. The gateway sends the engines the store's `engine_token`, and sheds with
+    `shedder` (`create_gateway_app`). A plan posted to `/replan` is checked against `catalog()` (default: the
+    built-in catalog), the `scenario` served (None: any) and `limits` (default: `PlanLimits()`)."""
     from coral.allocation.plan_check import PlanLimits
     from coral.catalog.loader import builtin_catalog
     from coral.report.dashboard import make_router
@@ -215,7 +226,7 @@ def build_runtime(
     registry = Registry()
     controller = Controller(store, backend, registry, planner, interval_s=interval_s, ready_timeout_s=ready_timeout_s)
     config = replace(config or GatewayConfig(), upstream_api_key=store.engine_token())
-    app = create_gateway_app(registry, config)
+    app = create_gateway_app(registry, config, shedder=shedder)
     provider = runtime_state_provider(controller, app.state.gateway)
     app.include_router(controller_router(controller, app.state.gateway.state, admin_token,
                                          catalog=catalog or builtin_catalog, scenario=scenario,
@@ -309,16 +320,23 @@ def register(app: typer.Typer) -> None:
             "answer within this many times (TTFT SLO + max_tokens x TPOT SLO) (times --time-scale for emulated "
             "engines) is timed out, not retried elsewhere, and ejected for a while; 0 = off"
         ),
+        shed: str = typer.Option(
+            "plan", help="plan | always | off: refuse each model's requests beyond its capacity at once (429 "
+            "model_over_capacity with Retry-After) while the plan in force serves only a share of some model's "
+            "demand (plan), always, or never"
+        ),
     ) -> None:
         """Run controller + gateway + engines; OpenAI API on http://HOST:PORT/v1, state on /state."""
         from coral.allocation.plan import Plan
         from coral.allocation.plan_check import PlanLimits
+        from coral.allocation.shedding import Shedder
         from coral.catalog.loader import market_catalog
         from coral.runtime.backends import EmulatedBackend, VllmProcessBackend
         from coral.runtime.controller import Store
         from coral.runtime.gateway import GatewayConfig, load_secrets
         from coral.runtime.traffic import TrafficMeter
 
+        shed_mode = shed_option(shed, ("plan", "always", "off"))
         db_path = db or DEFAULT_OUT / f"{Path(scenario).stem}.runtime.sqlite"
         store = Store(db_path)
         if store.notice:
@@ -384,6 +402,7 @@ def register(app: typer.Typer) -> None:
             prefill_timeout_s=prefill_timeouts(slos, slo_timeout * scale),
             token_timeout_s=token_timeouts(slos, slo_timeout * scale),
             instance_header=instance_header,
+            shed=shed_mode,
         )
         cfg = access_config(
             timeouts, api_keys_file, rate_limit, host, read_tokens_file,
@@ -395,7 +414,7 @@ def register(app: typer.Typer) -> None:
             planner, store, engines, interval, cfg, admin[0] if admin else None,
             ready_timeout_s=ready_timeout or (60.0 if backend == "emulated" else 600.0),
             scenario=slos, catalog=watcher.catalog if watcher is not None else lambda: scenario_market,
-            limits=PlanLimits(max_instances, max_nodes),
+            limits=PlanLimits(max_instances, max_nodes), shedder=Shedder.for_scenario(slos),
         )
         meter.gateway = gw_app.state.gateway
         if backend == "coral" and ray:
@@ -436,13 +455,18 @@ def register(app: typer.Typer) -> None:
             "header (internal plan ids; off by default: then only requests bearing the admin token in "
             "X-Coral-Admin-Token see it)"
         ),
+        shed: str = typer.Option(
+            "off", help="always | off: refuse each model's requests beyond its capacity (the endpoints' weights, "
+            "tokens/s per phase, with 1 s of it as burst) at once with 429 model_over_capacity and Retry-After"
+        ),
     ) -> None:
         """Serve the OpenAI API over deployed engines (static endpoints, no controller)."""
         from coral.deploy.endpoints import EndpointsFile
         from coral.runtime.gateway import GatewayConfig, create_gateway_app
 
         registry = static_registry(EndpointsFile.load(endpoints))
-        cfg = GatewayConfig(max_concurrency=max_concurrency, max_waiting=max_waiting, instance_header=instance_header)
+        cfg = GatewayConfig(max_concurrency=max_concurrency, max_waiting=max_waiting, instance_header=instance_header,
+                            shed=shed_option(shed, ("always", "off")))
         cfg = access_config(cfg, api_keys_file, rate_limit, host, read_tokens_file)
         console.print(
             f"[green]coral gateway[/]: {len(registry.all())} endpoint(s) on http://{host}:{port}/v1"

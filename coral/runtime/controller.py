@@ -3,10 +3,10 @@
 Every `interval_s` (or on `/replan`) it asks the planner for a plan, stores it as the desired state, and
 reconciles by instance id: missing instances are started (the intent is written before the backend call),
 waited for on `/health` and registered in the gateway as ready with their planned tokens/s per request class
-(the gateway's registry takes the plan's request classes; kept instances whose plan entry changed are
-re-registered with the new weights); surplus instances are set draining in the gateway (no new requests),
-stopped once their in-flight count reaches 0 (or after `drain_timeout_s`) and removed. Desired instances,
-observed instances with their state and handle, and an action log live in one SQLite file, so a restarted
+(the gateway's registry takes the plan, for its request classes and shedding; kept instances whose
+plan entry changed are re-registered with the new weights); surplus instances are set draining in the gateway (no
+new requests), stopped once their in-flight count reaches 0 (or after `drain_timeout_s`) and removed. Desired
+instances, observed instances with their state and handle, and an action log live in one SQLite file, so a restarted
 controller re-registers the instances that survived, and finishes pending starts and drains (their action
 rows are completed, not duplicated).
 
@@ -257,7 +257,7 @@ class Controller:
     # --- state transitions --------------------------------------------------------------------------
     def resume(self) -> None:
         """Re-register the instances a previous run left running; forget the ones that died meanwhile."""
-        self._apply_classes()
+        self._apply_routing()
         for iid, (inst, state, handle) in self.store.observed().items():
             if handle.get("url") and self.backend.alive(iid, handle):
                 if state != "starting":
@@ -267,10 +267,11 @@ class Controller:
                 self.store.observe(inst, "stopped", handle)
                 self.store.finish(seq, "done", "not running after controller restart")
 
-    def _apply_classes(self) -> None:
-        """Route by the stored plan's request classes."""
+    def _apply_routing(self) -> None:
+        """Route by the stored plan's request classes, and shed by it (`coral.allocation.shedding`)."""
         plan = self.store.plan()
         self.registry.classes = plan.request_classes if plan is not None else {}
+        self.registry.plan = plan
 
     def _register(self, inst: PlanInstance, handle: Handle, state: InstanceState) -> None:
         self.registry.add(Endpoint(inst.id, inst.model, inst.phase, handle["url"], inst.throughput, state,
@@ -355,7 +356,7 @@ class Controller:
     def reconcile(self) -> dict[str, list[str]]:
         """One pass: start what is missing (scale-ups first), then drain and stop what is surplus."""
         with self._lock, self._recorded():
-            self._apply_classes()
+            self._apply_routing()
             desired = self.store.desired()
             observed = self.store.observed()
             started, stopped = [], []

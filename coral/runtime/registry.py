@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from coral.allocation.plan import PlanClass, class_of, class_weight
+from coral.allocation.plan import Plan, PlanClass, class_of, class_weight
 
 MAX_EJECT_DOUBLINGS = 4
 """An instance ejected again and again stays out at most 2^4 times `eject_s` at a time."""
@@ -87,6 +87,9 @@ class Registry:
     endpoints: dict[str, Endpoint] = field(default_factory=dict)
     classes: dict[str, list[PlanClass]] = field(default_factory=dict)
     """Request classes per model, shortest first (set from the plan; models without them are unclassed)."""
+    plan: Plan | None = None
+    """The plan in force (set by the controller): whether and where the gateway sheds
+    (`coral.allocation.shedding.shed_capacity`)."""
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def add(self, ep: Endpoint) -> Endpoint:
@@ -127,6 +130,18 @@ class Registry:
 
     def pool(self, model: str, phase: str) -> list[Endpoint]:
         return [e for e in self.all() if e.model == model and e.phase == phase]
+
+    def down(self) -> set[tuple[str, str]]:
+        """(model, phase)s with a ready instance that is down (found dead or failing): it lost capacity."""
+        return {(e.model, e.phase) for e in self.all() if e.state is InstanceState.READY and not e.healthy}
+
+    def capacity(self) -> dict[tuple[str, str], float]:
+        """Planned tokens/s of the routable instances per (model, phase): the sum of their weights."""
+        out: dict[tuple[str, str], float] = {}
+        for e in self.all():
+            if e.routable:
+                out[(e.model, e.phase)] = out.get((e.model, e.phase), 0.0) + e.weight
+        return out
 
     def class_of(self, model: str, input_tokens: float) -> str | None:
         """The request class of a prompt of `input_tokens` for `model` (None: the model has no classes)."""

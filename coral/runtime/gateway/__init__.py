@@ -6,7 +6,12 @@ routable instance) -> for a model with prefill and decode instances, a non-strea
 `kv_transfer_params: {do_remote_decode: true}` to a prefill instance, then the client's request plus the returned
 `kv_transfer_params` to a decode instance (models with a single pool are sent there directly, and a PD model whose
 decode pool has no routable instance, or whose decode instances all failed the request (down, not busy), is
-answered by its prefill pool alone). Every pick of a request (prefill, decode, retries) routes by its length class:
+answered by its prefill pool alone). Shedding (`GatewayConfig.shed`: while the plan in force serves only a share of
+some model's demand or a model lost instances, `shed_capacity`; or always): before admission, each model is admitted up to its capacity (the
+planned tokens/s of its routable instances per phase, token buckets of `coral.allocation.shedding.Shedder`: its
+prompt, estimated as for request classes, and its max_tokens x n, else the model's mean output) and a request
+beyond it gets 429 `model_over_capacity` with Retry-After at once, not a place in the queue (metric outcome
+`shed`). Every pick of a request (prefill, decode, retries) routes by its length class:
 the plan's class of its prompt length, estimated without tokenizing (`prompt_tokens`; see `registry`). A failure
 before the first byte of the answer (connect error, 5xx, dropped connection) is retried on another instance of the
 pool; once streaming started, an error ends the stream with an SSE error event. An engine's backpressure (429 or

@@ -13,6 +13,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from coral.allocation.shedding import Shedder
 from coral.openai_shapes import InvalidRequest, parse_request
 from coral.runtime.gateway.access import AccessGuard, FramingGuard
 from coral.runtime.gateway.config import (
@@ -20,6 +21,7 @@ from coral.runtime.gateway.config import (
     UNKNOWN_MODEL,
     GatewayConfig,
     admission_wait_s,
+    output_tokens,
     prompt_tokens,
 )
 from coral.runtime.gateway.errors import (
@@ -61,10 +63,13 @@ def create_gateway_app(
     config: GatewayConfig | None = None,
     extra_routers: Sequence[APIRouter] = (),
     health_checks: bool = True,
+    shedder: Shedder | None = None,
 ) -> FastAPI:
     """The gateway FastAPI app; `app.state.gateway` is the `Gateway` (its `.state()` feeds dashboards). When its
-    server's grace is over (`closing_event`), `Gateway.shut` ends what is still open."""
-    gw = Gateway(registry, config or GatewayConfig())
+    server's grace is over (`closing_event`), `Gateway.shut` ends what is still open. `shedder` admits each model
+    up to its capacity while the gateway sheds (`GatewayConfig.shed`; `Shedder.for_scenario` of the scenario
+    served, else 1 s of capacity per model)."""
+    gw = Gateway(registry, config or GatewayConfig(), shedder)
     created = int(time.time())
 
     async def shut_when_closing(closing: asyncio.Event) -> None:
@@ -107,6 +112,18 @@ def create_gateway_app(
                 429, "rate limit reached for this API key", "rate_limit_exceeded", None, math.ceil(wait)
             )
         return None
+
+    def shed(model: str, body: dict[str, Any]) -> JSONResponse | None:
+        """429 `model_over_capacity` with Retry-After for a request beyond its model's capacity while the
+        gateway sheds (`Gateway.shed_wait`); None when it may go on."""
+        wait = gw.shed_wait(model, prompt_tokens(body), output_tokens(body))
+        if wait <= 0:
+            return None
+        gw.requests.labels(model, "shed").inc()
+        rates = ", ".join(f"{phase} {rate:,.8g} tokens/s" for (m, phase), rate in sorted(registry.capacity().items())
+                          if m == model)
+        msg = f"{model} is over its capacity ({rates}): the excess is refused; retry after {math.ceil(wait)} s"
+        return error_response(429, msg, "model_over_capacity", None, math.ceil(wait))
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
@@ -161,6 +178,8 @@ def create_gateway_app(
             return error_response(503, msg, "service_unavailable", None, gw.config.retry_after_s)
         if gw.closing:
             return shutting_down(model)
+        if (refused := shed(model, body)) is not None:
+            return refused
         work = asyncio.ensure_future(admitted(request, path, raw, body, start))
         gw.pending.add(work)
         work.add_done_callback(gw.pending.discard)

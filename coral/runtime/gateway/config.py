@@ -9,7 +9,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from coral.catalog.loader import CoralInputError, builtin_catalog
 
@@ -36,6 +36,16 @@ def prompt_tokens(body: dict[str, Any], chars_per_token: float = CHARS_PER_TOKEN
     if isinstance(p[0], int):
         return float(len(p))
     return max(len(x) if isinstance(x, list) else len(x) / chars_per_token for x in p)
+
+
+ShedMode = Literal["plan", "always", "off"]
+"""When the gateway sheds (`GatewayConfig.shed`)."""
+
+
+def output_tokens(body: dict[str, Any]) -> float | None:
+    """Output tokens a validated request asks for: max_tokens (or max_completion_tokens) x n; None when unset."""
+    max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
+    return float(max_tokens * (body.get("n") or 1)) if max_tokens else None
 
 
 def key_digest(key: str) -> str:
@@ -136,6 +146,10 @@ class GatewayConfig:
     instance_header: bool = False
     """Whether every answer names the instance that made it (`x-coral-instance`: plan ids, internal); off, only
     requests bearing an admin token in `ADMIN_TOKEN_HEADER` see it."""
+    shed: ShedMode = "plan"
+    """When each model is admitted only up to its capacity, the excess refused at once with 429
+    `model_over_capacity` (`coral.allocation.shedding`): "plan" while the plan in force serves only a share of some
+    model's demand or a model lost instances (`coral.allocation.shedding.shed_capacity`, from the plan the controller set), "always", or "off"."""
 
     def context_of(self, model: str) -> int:
         """The context length of `model` in tokens (prompt + output)."""

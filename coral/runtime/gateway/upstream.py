@@ -16,6 +16,7 @@ from fastapi.responses import StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from starlette.types import Receive, Scope, Send
 
+from coral.allocation.shedding import Shedder, shed_capacity
 from coral.openai_shapes import bearer_token
 from coral.runtime.aiohttp_pool import AiohttpPool, AiohttpResponse
 from coral.runtime.gateway.access import RateLimiter
@@ -60,9 +61,12 @@ async def refusal(ep: Endpoint, resp: AiohttpResponse, retry_after: int) -> Upst
 class Gateway:
     """State of one gateway app: registry, admission control, upstream client, metrics and latency stats."""
 
-    def __init__(self, registry: Registry, config: GatewayConfig) -> None:
+    def __init__(self, registry: Registry, config: GatewayConfig, shedder: Shedder | None = None) -> None:
         self.registry = registry
         self.config = config
+        self.shedder = shedder or Shedder({}, {})
+        """Admission at each model's capacity while `shedding` (`Shedder.for_scenario` for SLO depths; default:
+        1 s of capacity, no output-token estimate for requests without max_tokens)."""
         self.sem = asyncio.Semaphore(config.max_concurrency)
         self.waiting = 0
         self.active = 0
@@ -211,6 +215,24 @@ class Gateway:
         finally:
             self.waiting -= 1
         self.active += 1
+
+    def shed_now(self) -> dict[tuple[str, str], float]:
+        """The (model, phase)s shed now, with the capacity serving each (`shed_capacity`: by `GatewayConfig.shed`,
+        the plan in force and the keys that lost instances)."""
+        return shed_capacity(self.registry.capacity(), self.registry.plan, self.config.shed, self.registry.down())
+
+    @property
+    def shedding(self) -> bool:
+        """Whether requests beyond their model's capacity are refused now."""
+        return bool(self.shed_now())
+
+    def shed_wait(self, model: str, prompt: float, output: float | None) -> float:
+        """0 when a request of `model` with `prompt` tokens asking for `output` tokens (None: the model's mean)
+        may go on (its model is not shed, or fits the capacity serving it), else the seconds until it would
+        (`Shedder.admit`)."""
+        now = time.monotonic()
+        self.shedder.set_capacity(self.shed_now(), now)
+        return self.shedder.admit(model, prompt, output, now)
 
     def leave(self) -> None:
         self.active -= 1
@@ -387,7 +409,8 @@ class Gateway:
         observed share (of requests served by the pool); per model the client requests (`requests`, each once;
         `errors` of them not answered) and, over the last answers (`count`), percentiles of the end-to-end
         latency (`p50_ms`, `p99_ms`), of the time to the first token (`ttft_p50_ms`, ...: streamed answers and
-        PD prefills) and of the time per output token (`tpot_p50_ms`, ...: streamed answers)."""
+        PD prefills) and of the time per output token (`tpot_p50_ms`, ...: streamed answers); whether it sheds now
+        (`shedding`)."""
         eps = self.registry.all()
         instances = []
         for e in eps:
@@ -430,6 +453,7 @@ class Gateway:
             "instances": instances,
             "latency": latency,
             "queue": {"waiting": self.waiting, "active": self.active},
+            "shedding": self.shedding,
         }
 
 
