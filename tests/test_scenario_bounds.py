@@ -69,3 +69,18 @@ def test_built_in_scenarios_and_paper_settings_sit_well_inside_the_bounds(name: 
     assert rate * sc.epochs * sc.epoch_minutes * 60 * 10 < schema.MAX_RUN_REQUESTS
     assert len(sc.models) * 4 <= schema.MAX_SCENARIO_MODELS and sc.epochs * 100 < schema.MAX_EPOCHS
     assert len(sc.configs) * 2 < schema.MAX_SCENARIO_CONFIGS and len(sc.regions) * 10 < schema.MAX_SCENARIO_REGIONS
+
+
+def test_a_run_longer_than_the_request_bound_is_refused_before_anything_is_drawn():
+    """`coral simulate core --duration 1e9` ran on (30 billion requests) instead of refusing."""
+    from typer.testing import CliRunner
+
+    from coral.cli.main import app
+    from coral.workload.traces import workload_for
+
+    res = CliRunner().invoke(app, ["simulate", "core", "--duration", "1e9"])
+    text = " ".join(res.output.split())
+    assert res.exit_code == 2 and "duration: 1e+09 s" in text and "at most 10,000,000 requests" in text
+    with pytest.raises(CoralInputError, match="duration"):
+        workload_for(load_scenario("core"), float("inf"), 0)
+    assert sum(len(r) for r in workload_for(load_scenario("core"), 60.0, 0).values()) > 0

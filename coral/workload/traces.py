@@ -14,7 +14,7 @@ from typing import Literal
 import numpy as np
 
 from coral.catalog.loader import CoralInputError, data_path
-from coral.catalog.schema import Scenario
+from coral.catalog.schema import MAX_RUN_REQUESTS, Scenario
 from coral.catalog.suggest import did_you_mean
 
 AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
@@ -395,6 +395,11 @@ def workload_for(
     the first `TRACE_SPLIT` of its span, or the rest), so that no request of a held-out set is a request of a
     tuning set, whatever the seeds; synthetic models draw from a random stream of their own per part. None
     (the default) reads the whole trace, as simulations and experiments that neither tune nor score a plan do."""
+    expected = sum(m.request_rate for m in scenario.models) * rate_scale * duration_s
+    if not 0 < duration_s < math.inf or expected > MAX_RUN_REQUESTS:
+        raise CoralInputError(f"duration: {duration_s:g} s of {scenario.name}'s traffic (x{rate_scale:g}) is about "
+                              f"{expected:,.0f} requests; a run holds more than 0 s and at most "
+                              f"{MAX_RUN_REQUESTS:,} requests")
     traces = traces or {}
     how = scaling or scenario.trace_scaling
     if how not in ("superpose", "compress"):
