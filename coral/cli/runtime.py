@@ -323,7 +323,7 @@ def register(app: typer.Typer) -> None:
         shed: str = typer.Option(
             "plan", help="plan | always | off: refuse each model's requests beyond its capacity at once (429 "
             "model_over_capacity with Retry-After) while the plan in force serves only a share of some model's "
-            "demand (plan), always, or never"
+            "demand or a model lost instances until they are replaced (plan), always, or never"
         ),
     ) -> None:
         """Run controller + gateway + engines; OpenAI API on http://HOST:PORT/v1, state on /state."""

@@ -149,7 +149,8 @@ class GatewayConfig:
     shed: ShedMode = "plan"
     """When each model is admitted only up to its capacity, the excess refused at once with 429
     `model_over_capacity` (`coral.allocation.shedding`): "plan" while the plan in force serves only a share of some
-    model's demand or a model lost instances (`coral.allocation.shedding.shed_capacity`, from the plan the controller set), "always", or "off"."""
+    model's demand or a model lost instances (`shed_capacity`, from the plan the controller set), "always", or
+    "off"."""
 
     def context_of(self, model: str) -> int:
         """The context length of `model` in tokens (prompt + output)."""
