@@ -12,7 +12,7 @@ same queues form at 1/`--time-scale` of the events per second, and the SLOs are 
 the running plan held, less that GPU type, is posted to `/replan` (`allocate(..., mode="goodput",
 availability=...)`), and the instances on that GPU type crash. Two runs on the same requests: `--shed plan` (the
 gateway refuses each model's requests beyond its capacity at once while the plan in force serves a model only in
-part, `coral.allocation.shedding`) and `--shed off`. Per model, over the requests arriving after the loss: sent, answered within both SLOs (TTFT and TPOT
+part, or a model lost instances: `coral.allocation.shedding`) and `--shed off`. Per model, over the requests arriving after the loss: sent, answered within both SLOs (TTFT and TPOT
 of the streamed answer), shed (429 `model_over_capacity`), other errors, and SLO goodput (output tokens/s of the
 requests within both SLOs, per second of scenario time). Prints a table and writes `--json` (default
 out/benchmarks/shedding_runtime.json).
