@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
@@ -202,6 +202,17 @@ class Instance:
             nodes = tuple(st[i] for st, i in zip(self.stages, key, strict=True))
             path = self.paths[key] = Path(nodes, self.layers, self)
         return path
+
+
+def nodes_beyond(instances: Iterable[Instance], counts: Counts) -> dict[tuple[str, str], tuple[int, int]]:
+    """(region, config) -> (nodes `instances` hold, the count) where they hold more than `counts` allows (a pair it
+    does not list is unbounded)."""
+    used: dict[tuple[str, str], int] = {}
+    for inst in instances:
+        for cfg, n in inst.spec.counts.items():
+            used[(inst.spec.region, cfg)] = used.get((inst.spec.region, cfg), 0) + n
+    return {k: (n, counts[k[0]][k[1]]) for k, n in used.items()
+            if k[1] in counts.get(k[0], {}) and n > counts[k[0]][k[1]]}
 
 
 def signature(spec: PlanInstance) -> tuple[Any, ...]:
@@ -429,22 +440,13 @@ class Engine:
                 self.push(when, _K_RETIRE, inst)
         self.rebuild_routers(t)
 
-    def node_use(self) -> dict[tuple[str, str], int]:
-        """Nodes held per (region, config) by instances starting, serving or draining."""
-        used: dict[tuple[str, str], int] = {}
-        for inst in self.trace.instances:
-            if inst.state != STOPPED:
-                for cfg, n in inst.spec.counts.items():
-                    used[(inst.spec.region, cfg)] = used.get((inst.spec.region, cfg), 0) + n
-        return used
-
     def over_availability(self, t: float) -> dict[tuple[str, str], int]:
-        """(region, config) -> nodes held beyond the count in force at `t` (empty without an availability)."""
+        """(region, config) -> nodes held by instances starting, serving or draining beyond the count in force at
+        `t` (empty without an availability)."""
         if self.available is None:
             return {}
-        counts = self.available(t)
-        return {k: n - counts[k[0]][k[1]] for k, n in self.node_use().items()
-                if k[1] in counts.get(k[0], {}) and n > counts[k[0]][k[1]]}
+        held = (i for i in self.trace.instances if i.state != STOPPED)
+        return {k: n - cap for k, (n, cap) in nodes_beyond(held, self.available(t)).items()}
 
     def enforce_availability(self, t: float) -> None:
         """Availability fell: instances on nodes no longer there are lost (`lose`) until every (region, config)

@@ -11,7 +11,7 @@ from typing import Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
-from coral.simulation.engine import Engine, Instance, Trace
+from coral.simulation.engine import Engine, Instance, Trace, nodes_beyond
 
 CDF_POINTS = 101
 
@@ -251,18 +251,10 @@ def _cost_timeline(instances: list[Instance], end: float) -> list[tuple[float, f
 
 
 def _over(instances: list[Instance], t: float, avail: dict[str, dict[str, int]]) -> list[str]:
-    """(region, config) pairs whose nodes held at time t (starting, serving or draining) exceed `avail`."""
-    used: dict[tuple[str, str], int] = {}
-    for i in instances:
-        if i.start_s <= t < i.stop_s:
-            for cfg, n in i.spec.counts.items():
-                used[(i.spec.region, cfg)] = used.get((i.spec.region, cfg), 0) + n
-    out = []
-    for (region, cfg), n in sorted(used.items()):
-        cap = avail.get(region, {}).get(cfg)
-        if cap is not None and n > cap:
-            out.append(f"{region}:{cfg} {n} > {cap}")
-    return out
+    """'region:config held > count' for the pairs whose nodes held at time t (starting, serving or draining)
+    exceed `avail`."""
+    held = (i for i in instances if i.start_s <= t < i.stop_s)
+    return [f"{region}:{cfg} {n} > {cap}" for (region, cfg), (n, cap) in sorted(nodes_beyond(held, avail).items())]
 
 
 def _batch_fill(instances: list[Instance], end: float, model: str | None) -> float:
