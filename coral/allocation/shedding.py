@@ -14,7 +14,8 @@ requests wait for decode slots). A request takes its prompt tokens from its mode
 tokens (max_tokens, else the model's mean; the simulator knows them) from the decode bucket, or neither when
 either is short; then it may try again once the shorter one has refilled (Retry-After).
 
-Measured (`tests/test_simulation.py`, one phi-4 PD pair offered 1.5x, 3x and 6x its decode capacity for 60 s):
+Measured by hand while choosing the rule, with the plan of `tests/test_simulation.py` (which asserts the 3x case;
+one phi-4 PD pair offered 1.5x, 3x and 6x its decode capacity for 60 s):
 every admitted request met both SLOs and SLO goodput stayed at the planned 470 tokens/s; unshed, 4 % met them at
 3x. A deeper decode bucket (the time a mean request decodes, 12.7 s) let 90 % of admitted requests miss at 3x,
 and admitting at 80 % of capacity only lowered goodput (377 tokens/s).
@@ -49,6 +50,8 @@ def shed_capacity(ready: Mapping[Key, float], plan: Plan | None, mode: str,
         return {}
     if mode == "always" or (plan is not None and sheds(plan)):
         return dict(ready)
+    if not down:  # the common case, checked on every request at the gateway
+        return {}
     assert plan is not None
     planned: dict[Key, float] = {}
     for inst in plan.instances:

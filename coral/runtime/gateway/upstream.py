@@ -219,6 +219,8 @@ class Gateway:
     def shed_now(self) -> dict[tuple[str, str], float]:
         """The (model, phase)s shed now, with the capacity serving each (`shed_capacity`: by `GatewayConfig.shed`,
         the plan in force and the keys that lost instances)."""
+        if self.config.shed == "off":
+            return {}
         return shed_capacity(self.registry.capacity(), self.registry.plan, self.config.shed, self.registry.down())
 
     @property
