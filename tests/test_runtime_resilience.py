@@ -5,6 +5,7 @@ engine whose /health fails is out at the next probe, and a dead instance noticed
 from __future__ import annotations
 
 import asyncio
+import socket
 import threading
 import time
 from typing import Any
@@ -199,33 +200,55 @@ def test_an_instance_whose_health_fails_is_out_at_the_next_probe():
 def test_a_probe_unanswered_while_the_instance_streams_is_not_counted_against_it():
     """Under 1,000 clients an engine's loop fell behind its /health probes while it streamed answers: two
     unanswered probes took the only decode instance out and 16 requests got 503 (`benchmarks/reliability.py`).
-    A silent instance still goes out after `unhealthy_after` unanswered probes; a busy one does not."""
+    A probe or connection that times out on an instance that just delivered a chunk is not counted; a silent
+    instance still goes out after `unhealthy_after` timed-out probes, and a refused or reset connection means down
+    however recently it delivered (a killed engine)."""
+    from coral.runtime.aiohttp_pool import UpstreamConnectionError
+
+    hung = socket.socket()  # accepts connections (the backlog) and never answers: every probe times out
+    hung.bind(("127.0.0.1", 0))
+    hung.listen(16)
+    url = f"http://127.0.0.1:{hung.getsockname()[1]}"
     registry = Registry()
-    busy = registry.add(Endpoint("busy", "m", "decode", "http://127.0.0.1:9", 1.0, InstanceState.READY))
-    silent = registry.add(Endpoint("silent", "m", "decode", "http://127.0.0.1:9", 1.0, InstanceState.READY))
+    busy = registry.add(Endpoint("busy", "m", "decode", url, 1.0, InstanceState.READY))
+    silent = registry.add(Endpoint("silent", "m", "decode", url, 1.0, InstanceState.READY))
+    refused = registry.add(Endpoint("refused", "m", "decode", "http://127.0.0.1:9", 1.0, InstanceState.READY))
     gw = Gateway(registry, GatewayConfig(unhealthy_after=2, health_timeout_s=0.2))
 
     async def probes() -> None:
         await gw.open()
         try:
             for _ in range(3):
-                busy.progress_at = asyncio.get_running_loop().time()  # a chunk delivered just now
+                for ep in (busy, refused):
+                    ep.progress_at = asyncio.get_running_loop().time()  # a chunk delivered just now
                 await gw.check_health()
         finally:
             await gw.close()
 
-    asyncio.run(probes())
+    try:
+        asyncio.run(probes())
+    finally:
+        hung.close()
     assert busy.routable and busy.health_failures == 0
     assert not silent.routable and silent.health_failures == 3
+    assert not refused.routable and refused.health_failures == 3
+
+    def failed(kind: type[BaseException]) -> UpstreamConnectionError:
+        exc = UpstreamConnectionError(f"{url}: {kind.__name__}")
+        exc.__cause__ = kind()
+        return exc
 
     async def connections_fail() -> None:  # a connection to a busy instance timed out: it stays in
-        busy.progress_at = asyncio.get_running_loop().time()
-        for ep in (busy, silent):
+        now = asyncio.get_running_loop().time()
+        for ep, exc in ((busy, failed(TimeoutError)), (silent, failed(TimeoutError)),
+                        (refused, failed(ConnectionRefusedError))):
             ep.healthy, ep.inflight = True, 1
-            gw._fail(ep, ConnectionError("timed out"))
+            if ep is not silent:
+                ep.progress_at = now
+            gw._fail(ep, exc)
 
     asyncio.run(connections_fail())
-    assert busy.routable and not silent.routable
+    assert busy.routable and not silent.routable and not refused.routable
 
 
 def test_a_pd_model_whose_decode_pool_is_lost_is_answered_by_its_prefill_pool():

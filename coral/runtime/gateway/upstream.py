@@ -191,10 +191,12 @@ class Gateway:
             try:
                 r = await client.get(f"{ep.url}/health", timeout=self.config.health_timeout_s)
                 ok = r.status_code == 200
+            except httpx.TimeoutException:
+                if self.busy(ep):
+                    return
+                ok = answered = False
             except httpx.HTTPError:
                 ok = answered = False
-            if not answered and self.busy(ep):
-                return
             ep.health_failures = 0 if ok else ep.health_failures + 1
             ep.healthy = ok or (not answered and ep.health_failures < self.config.unhealthy_after)
 
@@ -270,14 +272,17 @@ class Gateway:
 
     # --- upstream calls -----------------------------------------------------------------------------
     def busy(self, ep: Endpoint) -> bool:
-        """Whether `ep` delivered a chunk to one of its answers within the last `health_timeout_s`: alive, so an
-        unanswered probe or a connection that timed out means its loop is behind under load, not that it is down."""
-        return asyncio.get_running_loop().time() - ep.progress_at < self.config.health_timeout_s
+        """Whether `ep` delivered a chunk to one of its answers while a probe or a connection to it could have been
+        waiting (the longer of `health_timeout_s` and `connect_timeout_s`): alive, so a probe or a connection that
+        timed out means its loop is behind under load, not that it is down (a refused or reset one still does)."""
+        window = max(self.config.health_timeout_s, self.config.connect_timeout_s)
+        return asyncio.get_running_loop().time() - ep.progress_at < window
 
     def _fail(self, ep: Endpoint, exc: BaseException | None) -> None:
         self.registry.release(ep, ok=False)
         self.upstream.labels(ep.id, ep.phase, "error").inc()
-        if isinstance(exc, OSError) and not self.busy(ep):
+        timed_out = isinstance(exc, OSError) and isinstance(exc.__cause__, TimeoutError)
+        if isinstance(exc, OSError) and not (timed_out and self.busy(ep)):
             ep.healthy = False  # passive health: the probe loop brings it back
 
     def eject(self, ep: Endpoint) -> None:
