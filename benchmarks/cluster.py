@@ -40,11 +40,11 @@ from rich.table import Table
 
 from coral.allocation.plan import Plan
 from coral.cli.runtime import build_runtime
+from coral.http_serving import ServerThread
 from coral.runtime.controller import Store
 from coral.runtime.coral_backend import CoralEngineBackend
 from coral.runtime.handmade import make_instance, make_plan, two_gpu_catalog
 from coral.runtime.ray_backend import LocalRayCluster, RayCoralBackend
-from coral.runtime.server import ServerThread
 
 PREFILL = make_instance("phi-4", "prefill", [(24, ["2xL40S"]), (16, ["1xL4"])], 6000.0, template_id=1)
 DECODE = make_instance("phi-4", "decode", [(16, ["1xL4"]), (24, ["1xL4", "2xA10G"])], 500.0, template_id=2)

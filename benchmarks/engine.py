@@ -49,8 +49,8 @@ from coral.engine.layout import Layout
 from coral.engine.scheduler import Request
 from coral.engine.shard import KVPool, checkpoint_layers
 from coral.engine.tiny_model import TinyLlamaSpec, make_tiny_llama
+from coral.http_serving import free_port
 from coral.perf.profiler import wait_ready
-from coral.runtime.server import free_port
 
 BLOCK_SIZE = 16
 #: pause before each server's round in the vLLM comparison: vLLM's CPU engine keeps its core busy for about a second

@@ -47,8 +47,8 @@ from _console import table_console  # benchmarks/_console.py
 from rich.console import Console
 from rich.table import Table
 
+from coral.http_serving import free_port
 from coral.runtime.handmade import make_instance, make_plan
-from coral.runtime.server import free_port
 
 OUT = Path("out/benchmarks/engine_load.json")
 MODEL = "phi-4"

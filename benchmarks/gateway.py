@@ -28,10 +28,10 @@ from typing import Any
 from _console import table_console  # benchmarks/_console.py
 from rich.table import Table
 
+from coral.http_serving import ServerThread, free_port
 from coral.runtime.emulated import EngineTiming, create_engine_app
 from coral.runtime.gateway import GatewayConfig, create_gateway_app
 from coral.runtime.registry import Endpoint, InstanceState, Registry
-from coral.runtime.server import ServerThread, free_port
 
 OUT = Path("out/benchmarks/gateway.json")
 

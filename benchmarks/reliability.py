@@ -51,13 +51,13 @@ from rich.table import Table
 from coral.allocation.plan import Plan, PlanInstance
 from coral.catalog.loader import CoralInputError, data_path, load_scenario
 from coral.deploy.endpoints import EndpointsFile, EndpointSpec
+from coral.http_serving import ServerThread, free_port
 from coral.runtime.backends import EmulatedBackend
 from coral.runtime.controller import Controller, Store, controller_router
 from coral.runtime.emulated import EngineTiming, create_engine_app, instance_engine_app
 from coral.runtime.gateway import GatewayConfig, create_gateway_app, load_secrets
 from coral.runtime.handmade import make_instance, make_plan
 from coral.runtime.registry import Endpoint, InstanceState, Registry
-from coral.runtime.server import ServerThread, free_port
 
 OUT = Path("out/benchmarks/reliability.json")
 ERROR_KEYS = {"message", "type", "param", "code"}

@@ -41,11 +41,11 @@ from coral.allocation.shedding import Shedder, sheds
 from coral.catalog.loader import load_scenario
 from coral.catalog.schema import Scenario
 from coral.cli.runtime import build_runtime, prefill_timeouts, token_timeouts
+from coral.http_serving import ServerThread
 from coral.runtime.backends import EmulatedBackend
 from coral.runtime.controller import Controller, Store
 from coral.runtime.gateway import GatewayConfig
 from coral.runtime.gateway.config import ShedMode
-from coral.runtime.server import ServerThread
 from coral.templates.store import load_library
 from coral.workload.traces import workload_for
 

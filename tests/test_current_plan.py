@@ -13,8 +13,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from coral.http_serving import free_port
 from coral.runtime.handmade import make_instance, make_plan
-from coral.runtime.server import free_port
 from coral.templates.store import load_library
 
 

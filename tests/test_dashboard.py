@@ -265,11 +265,11 @@ def runtime(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     from functools import partial
 
     from coral.cli import runtime as cli_runtime
+    from coral.http_serving import ServerThread
     from coral.report import dashboard
     from coral.runtime.backends import EmulatedBackend
     from coral.runtime.controller import Store
     from coral.runtime.handmade import make_instance, make_plan
-    from coral.runtime.server import ServerThread
 
     fast = partial(dashboard.make_router, sample_s=0.05)
     monkeypatch.setattr(dashboard, "make_router", fast)  # build_runtime imports it when called ...
@@ -370,8 +370,8 @@ def test_coral_serve_prints_the_dashboard_url(tmp_path: Path) -> None:
 
     import httpx
 
+    from coral.http_serving import free_port
     from coral.runtime.handmade import make_instance, make_plan
-    from coral.runtime.server import free_port
 
     plan = make_plan([make_instance("phi-4", "decode", [(40, ["1xL4"])], 500.0)]).save(tmp_path / "plan.json")
     port = free_port()

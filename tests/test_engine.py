@@ -370,7 +370,7 @@ def test_http_admission_bound_deadline_and_node_failure(ckpt):
     from transformers import AutoTokenizer
 
     from coral.engine.server import DEADLINE_HEADER, Limits, create_instance_app
-    from coral.runtime.server import ServerThread
+    from coral.http_serving import ServerThread
 
     sched = Scheduler(Layout.of([6], [["a"]], model="tiny"), zmq.Context.instance(), "inproc://admission-test").start()
     limits = Limits(2048, max_waiting=2, retry_after_s=3)

@@ -1,13 +1,20 @@
 """Sampling in the Coral engine, against references computed here: the sampler's draws against the filtered
 softmax (temperature, min_p, top_k, top_p) on fixed logits, greedy cases, seeds independent of the batch, logprobs
-against log_softmax; through the HTTP server of an in-process instance: seeds, n, stop strings and stop tokens,
-logprobs against the whole model's logits, refused parameters, and the context bound."""
+against log_softmax, penalties against transformers' `RepetitionPenaltyLogitsProcessor` and OpenAI's presence and
+frequency penalties written out; through the HTTP server of an in-process instance: seeds, n, stop strings and
+stop tokens, logprobs against the whole model's logits, refused parameters, and the context bound; a checkpoint
+whose generation config sets `repetition_penalty` decodes as transformers' `generate` does (one instance, PD,
+preemption)."""
 
 from __future__ import annotations
 
 import json
 import math
+import random
+import threading
 from dataclasses import replace
+from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -16,7 +23,16 @@ import torch
 from coral.engine.instance import CoralInstance, EngineConfig
 from coral.engine.layout import Layout
 from coral.engine.reference import WholeModel
-from coral.engine.sampling import SamplingParams, sample, token_seed
+from coral.engine.sampling import (
+    Histories,
+    SamplingParams,
+    TokenHistory,
+    filtered_logits,
+    history_wire,
+    sample,
+    token_seed,
+)
+from coral.engine.scheduler import Request
 from coral.engine.tiny_model import TinyLlamaSpec, make_tiny_llama
 
 pytestmark = pytest.mark.timeout(300)
@@ -117,6 +133,87 @@ def test_logprobs_are_the_raw_log_softmax():
     assert out[1].top == () and out[2].logprob is None
 
 
+# --- penalties ---------------------------------------------------------------------------------------------
+
+
+def histories_of(prompts: list[list[int]], outputs: list[list[int]]) -> list[TokenHistory]:
+    return [TokenHistory.of_wire(history_wire(p, o), torch.device("cpu")) for p, o in zip(prompts, outputs,
+                                                                                           strict=True)]
+
+
+def random_histories(rows: int, vocab: int, seed: int) -> tuple[list[list[int]], list[list[int]]]:
+    """Prompts and outputs of random token ids, with repeats (an output may be empty)."""
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(vocab // 2) for _ in range(rng.randint(1, 30))] for _ in range(rows)]
+    outputs = [[rng.randrange(vocab) for _ in range(rng.randint(0, 20))] for _ in range(rows)]
+    return prompts, outputs
+
+
+def test_repetition_penalty_is_transformers():
+    """Each row's logits after `repetition_penalty` p equal transformers' processor on the row's prompt + output
+    (positive logits of seen ids divided by p, the others multiplied), p below 1 included; a row without a
+    penalty in the same batch is untouched."""
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    torch.manual_seed(3)
+    vocab, penalties = 64, [1.3, 0.7, 2.0, 1.0, 1.05, 0.5]
+    logits = torch.randn(len(penalties), vocab) * 3
+    prompts, outputs = random_histories(len(penalties), vocab, 3)
+    steps = [SamplingParams(repetition_penalty=p).step(len(o), frozenset()) for p, o in zip(penalties, outputs,
+                                                                                          strict=True)]
+    assert ["rp" in st for st in steps] == [p != 1 for p in penalties]
+    got = filtered_logits(logits, steps, histories_of(prompts, outputs))
+    for row, p in enumerate(penalties):
+        ids = torch.tensor([prompts[row] + outputs[row]])
+        want = RepetitionPenaltyLogitsProcessor(p)(ids, logits[row:row + 1].clone())[0]
+        assert torch.allclose(got[row], want, atol=1e-6), row
+    assert torch.equal(got[3], logits[3])
+
+
+def test_presence_and_frequency_penalties_as_openai_writes_them():
+    """logit - frequency x count in the output - presence x [in the output], on plain floats (the prompt does
+    not count), after the repetition penalty when both are set (vLLM's order)."""
+    torch.manual_seed(4)
+    vocab = 40
+    params = [SamplingParams(presence_penalty=0.5), SamplingParams(frequency_penalty=0.8),
+              SamplingParams(presence_penalty=-1.0, frequency_penalty=1.5),
+              SamplingParams(repetition_penalty=1.4, presence_penalty=0.3, frequency_penalty=0.6), SamplingParams()]
+    logits = torch.randn(len(params), vocab) * 2
+    prompts, outputs = random_histories(len(params), vocab, 4)
+    outputs[0] += outputs[0][:3]  # repeats in the output
+    steps = [p.step(len(o), frozenset()) for p, o in zip(params, outputs, strict=True)]
+    histories = [h if p.penalized else None for p, h in zip(params, histories_of(prompts, outputs), strict=True)]
+    got = filtered_logits(logits, steps, histories)
+    for row, p in enumerate(params):
+        seen = set(prompts[row]) | set(outputs[row])
+        for tok in range(vocab):
+            x = float(logits[row, tok])
+            if tok in seen and p.repetition_penalty != 1:
+                x = x / p.repetition_penalty if x > 0 else x * p.repetition_penalty
+            count = outputs[row].count(tok)
+            x -= p.frequency_penalty * count + p.presence_penalty * (count > 0)
+            assert float(got[row, tok]) == pytest.approx(x, abs=1e-5), (row, tok)
+
+
+def test_penalties_steer_greedy_and_the_history_grows_with_each_token():
+    """A greedy row takes the argmax of its penalised logits; the node's history of a request is made from the
+    step carrying it, grows by each sampled token, and is required (KeyError) for a penalised step."""
+    logits = torch.tensor([[3.0, 2.9, 0.0, -1.0]])
+    step = SamplingParams(repetition_penalty=1.2).step(0, frozenset())
+    histories = Histories()
+    rows = histories.rows(["r"], [{**step, "hist": history_wire([0, 0], [])}], torch.device("cpu"))
+    first = sample(logits, [step], rows)
+    assert first[0].token == 1  # 3.0 / 1.2 < 2.9
+    histories.record(rows, first)
+    assert histories.by_rid["r"].output == [1]
+    rows = histories.rows(["r"], [step], torch.device("cpu"))
+    assert sample(logits, [step], rows)[0].token == 0  # 3.0 / 1.2 = 2.5 > 2.9 / 1.2
+    assert sample(logits, [SamplingParams().step(0, frozenset())])[0].token == 0
+    histories.drop("r")
+    with pytest.raises(KeyError, match="token history"):
+        histories.rows(["r"], [step], torch.device("cpu"))
+
+
 # --- through the HTTP server -------------------------------------------------------------------------------
 
 
@@ -210,8 +307,8 @@ def test_logprobs_match_the_whole_model(url, whole, ckpt):
 
 @pytest.mark.parametrize(
     ("extra", "param"),
-    [({"presence_penalty": 0.5}, "presence_penalty"), ({"frequency_penalty": 1}, "frequency_penalty"),
-     ({"repetition_penalty": 1.2}, "repetition_penalty"), ({"logit_bias": {"5": 3}}, "logit_bias"),
+    [({"presence_penalty": 2.5}, "presence_penalty"), ({"frequency_penalty": -3}, "frequency_penalty"),
+     ({"repetition_penalty": 0}, "repetition_penalty"), ({"logit_bias": {"5": 3}}, "logit_bias"),
      ({"best_of": 3}, "best_of"), ({"response_format": {"type": "json_object"}}, "response_format"),
      ({"echo": True}, "echo"), ({"prompt": ["a", "b"]}, "prompt"), ({"temperature": 5}, "temperature"),
      ({"min_tokens": 9, "max_tokens": 3}, "min_tokens")],
@@ -254,3 +351,108 @@ def test_streamed_choices_equal_the_whole_answer(url):
         texts[choice["index"]] += choice["delta"]["content"]
     assert texts == [c["message"]["content"] for c in whole_answer["choices"]] and texts[0] != texts[1]
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == whole_answer["usage"]
+
+
+# --- a checkpoint whose generation config sets repetition_penalty ---------------------------------------------
+
+RP = 1.3
+
+
+@pytest.fixture(scope="module")
+def rp_ckpt(tmp_path_factory):
+    """The tiny model with `repetition_penalty: 1.3` in its generation_config.json (as some instruction-tuned
+    checkpoints ship)."""
+    path = make_tiny_llama(tmp_path_factory.mktemp("rp") / "tiny",
+                           TinyLlamaSpec(num_hidden_layers=4, initializer_range=0.25))
+    (path / "generation_config.json").write_text(json.dumps({"repetition_penalty": RP}))
+    return path
+
+
+def generate(ckpt: Path, prompt: list[int], n: int, **kw: Any) -> list[int]:
+    """transformers' greedy `generate` (no stop at EOS), with the checkpoint's generation config and `kw`."""
+    from transformers import AutoModelForCausalLM
+
+    model: Any = AutoModelForCausalLM.from_pretrained(ckpt).eval()
+    model.generation_config.eos_token_id = None
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, pad_token_id=2, **kw)
+    return [int(t) for t in out[0, len(prompt):]]
+
+
+def penalised_greedy(whole: WholeModel, prompt: list[int], n: int, params: SamplingParams) -> list[int]:
+    """Greedy tokens with `params`' penalties written out: transformers' repetition processor on prompt + output,
+    then frequency and presence over the output; each step recomputes the whole sequence."""
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    out: list[int] = []
+    with torch.inference_mode():
+        for _ in range(n):
+            ids = torch.tensor([prompt + out])
+            logits = whole.model(ids).logits[0, -1:].float()
+            logits = RepetitionPenaltyLogitsProcessor(params.repetition_penalty)(ids, logits)[0]
+            counts = torch.bincount(torch.tensor(out, dtype=torch.long), minlength=logits.shape[-1]).float()
+            logits = logits - params.frequency_penalty * counts - params.presence_penalty * (counts > 0).float()
+            out.append(int(logits.argmax()))
+    return out
+
+
+def test_a_checkpoints_repetition_penalty_decodes_as_transformers_generate(rp_ckpt):
+    """Unset, `repetition_penalty` is the generation config's (vLLM's `--generation-config auto`), and greedy
+    tokens are transformers' `generate` with it, on a data-parallel instance and across PD (the prefill
+    instance's first token penalised by the prompt, the decode instance's steps by prompt + output); set to 1 it
+    is off. The penalty changes this model's greedy answer from its 17th token (a token of the prompt), so the
+    test tells them apart."""
+    n = 24
+    penalised, plain = generate(rp_ckpt, PROMPT, n), generate(rp_ckpt, PROMPT, n, repetition_penalty=1.0)
+    assert penalised == generate(rp_ckpt, PROMPT, n, repetition_penalty=RP) and penalised != plain
+    layout = Layout.of([1, 3], [["a"], ["b", "c"]], instance_id="rp", model="tiny")
+    inst = CoralInstance(layout, rp_ckpt, EngineConfig(local=True, kv_cache_gib=0.05)).start()
+    pre = CoralInstance(Layout.of([4], [["p"]], instance_id="rp-pre", model="tiny"), rp_ckpt,
+                        EngineConfig(local=True, kv_cache_gib=0.05)).start()
+    try:
+        body = {"prompt": PROMPT, "max_tokens": n, "ignore_eos": True, "temperature": 0, "return_token_ids": True}
+        assert token_ids(post(inst.url, **body)) == [penalised]
+        assert token_ids(post(inst.url, **body, repetition_penalty=1.0)) == [plain]
+        first = post(pre.url, **{**body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
+        assert token_ids(first) == [penalised[:1]]
+        decoded = post(inst.url, **body, kv_transfer_params=first.json()["kv_transfer_params"])
+        assert token_ids(decoded) == [penalised]
+        assert inst.scheduler is not None and inst.scheduler.remote_prefills == 1
+    finally:
+        pre.stop()
+        inst.stop()
+
+
+def test_penalties_hold_across_preemption(ckpt, whole):
+    """Penalised greedy requests on a KV pool small enough to preempt them: each recomputed request's history
+    is sent again with its KV, and every output equals the penalties written out."""
+    rng = random.Random(11)
+    # penalties that favour what was seen, so that every output here depends on its history being whole
+    params = SamplingParams(repetition_penalty=0.5, presence_penalty=-2.0, frequency_penalty=-2.0)
+    prompts = [[rng.randrange(7, 1024) for _ in range(rng.randint(3, 14))] for _ in range(8)]
+    max_tokens = [rng.randint(4, 12) for _ in prompts]
+    inst = CoralInstance(Layout.of([2, 2], [["a"], ["b"]]), ckpt,
+                         EngineConfig(local=True, http=False, max_batch_tokens=6, kv_blocks=10,
+                                      kv_block_size=4)).start()
+    sched = inst.scheduler
+    assert sched is not None
+    outputs: list[list[int]] = [[] for _ in prompts]
+    done = [threading.Event() for _ in prompts]
+
+    def on_event(i: int):  # type: ignore[no-untyped-def]
+        def handle(token, finish, _logits):  # type: ignore[no-untyped-def]
+            if token is not None:
+                outputs[i].append(token)
+            if finish is not None:
+                done[i].set()
+        return handle
+
+    try:
+        for i, (p, n) in enumerate(zip(prompts, max_tokens, strict=True)):
+            sched.submit(Request(rid=f"r{i}", prompt=p, max_tokens=n, on_event=on_event(i), sampling=params))
+        assert all(ev.wait(120) for ev in done)
+        assert sched.preemptions > 0
+    finally:
+        inst.stop()
+    assert outputs == [penalised_greedy(whole, p, n, params) for p, n in zip(prompts, max_tokens, strict=True)]
+    plain = [whole.greedy(p, n)[0] for p, n in zip(prompts, max_tokens, strict=True)]
+    assert all(o != g for o, g in zip(outputs, plain, strict=True))  # the penalties matter

@@ -18,9 +18,9 @@ import pytest
 from coral.allocation.plan import Plan
 from coral.cli.runtime import build_runtime
 from coral.engine.reference import WholeModel
+from coral.http_serving import ServerThread
 from coral.runtime.controller import Store
 from coral.runtime.handmade import make_instance, make_plan, two_gpu_catalog
-from coral.runtime.server import ServerThread
 
 ray = pytest.importorskip("ray")
 openai = pytest.importorskip("openai")

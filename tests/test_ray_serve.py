@@ -18,8 +18,8 @@ import pytest
 
 from coral.engine.reference import WholeModel
 from coral.engine.tiny_model import TinyLlamaSpec, make_tiny_llama
+from coral.http_serving import free_port
 from coral.runtime.handmade import make_instance, make_plan
-from coral.runtime.server import free_port
 
 ray = pytest.importorskip("ray")
 openai = pytest.importorskip("openai")

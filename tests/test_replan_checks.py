@@ -24,11 +24,11 @@ from coral.allocation.plan import Plan, PlanInstance
 from coral.allocation.plan_check import PlanLimits
 from coral.catalog.loader import load_scenario
 from coral.cli.runtime import build_runtime
+from coral.http_serving import ServerThread, free_port
 from coral.runtime.backends import Backend, EmulatedBackend
 from coral.runtime.controller import Controller, Store
 from coral.runtime.handmade import make_instance, make_plan
 from coral.runtime.registry import Registry
-from coral.runtime.server import ServerThread, free_port
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -11,11 +11,11 @@ import pytest
 from test_runtime_controller import TIME_SCALE, backend  # noqa: F401  (fixture)
 
 from coral.allocation.plan import Plan, PlanClass
+from coral.http_serving import ServerThread
 from coral.runtime.controller import Controller, Store
 from coral.runtime.gateway import CHARS_PER_TOKEN, create_gateway_app, prompt_tokens
 from coral.runtime.handmade import make_instance, make_plan
 from coral.runtime.registry import Endpoint, InstanceState, Registry
-from coral.runtime.server import ServerThread
 
 pytestmark = pytest.mark.timeout(120)
 

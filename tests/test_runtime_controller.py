@@ -13,12 +13,12 @@ from typer.testing import CliRunner
 from coral.allocation.plan import Plan
 from coral.cli.main import app as cli_app
 from coral.cli.runtime import build_runtime
+from coral.http_serving import ServerThread
 from coral.runtime.backends import EmulatedBackend, Handle
 from coral.runtime.controller import Controller, Store, controller_router
 from coral.runtime.gateway import create_gateway_app
 from coral.runtime.handmade import make_instance, make_plan
 from coral.runtime.registry import InstanceState, Registry
-from coral.runtime.server import ServerThread
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -207,7 +207,7 @@ def test_coral_serve_cli_end_to_end(tmp_path):
     import subprocess
     import sys
 
-    from coral.runtime.server import free_port
+    from coral.http_serving import free_port
 
     plan_path = plan_of(1).save(tmp_path / "plan.json")
     port = free_port()
@@ -315,8 +315,8 @@ def test_coral_gateway_cli_over_static_endpoints(tmp_path):
     import sys
 
     from coral.deploy.endpoints import EndpointsFile, EndpointSpec
+    from coral.http_serving import free_port
     from coral.runtime.emulated import EngineTiming, create_engine_app
-    from coral.runtime.server import free_port
 
     engines = [
         ServerThread(create_engine_app(f"e{k}", "phi-4", phase, EngineTiming.constant())).start()

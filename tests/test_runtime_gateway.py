@@ -15,10 +15,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from coral.http_serving import ServerThread
 from coral.runtime.emulated import EngineTiming, create_engine_app, token_text
 from coral.runtime.gateway import GatewayConfig, create_gateway_app
 from coral.runtime.registry import Endpoint, InstanceState, Registry
-from coral.runtime.server import ServerThread
 
 pytestmark = pytest.mark.timeout(120)
 

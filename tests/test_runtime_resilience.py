@@ -16,6 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from test_runtime_gateway import FAST, chat, stack, wait_for
 
+from coral.http_serving import ServerThread
 from coral.openai_shapes import error_body, full
 from coral.runtime.backends import EmulatedBackend, Watchdog
 from coral.runtime.controller import Controller, Store
@@ -24,7 +25,6 @@ from coral.runtime.gateway import Budget, Gateway, GatewayConfig, answer_budget
 from coral.runtime.gateway.config import admission_wait_s
 from coral.runtime.handmade import make_instance, make_plan
 from coral.runtime.registry import Endpoint, InstanceState, Registry
-from coral.runtime.server import ServerThread
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -16,12 +16,12 @@ from test_runtime_gateway import FAST, chat, stack
 
 from coral.catalog.loader import CoralInputError
 from coral.cli.main import app as cli_app
+from coral.http_serving import ServerThread, free_port
 from coral.runtime.controller import Controller, Store, controller_router
 from coral.runtime.emulated import EngineTiming, create_engine_app
 from coral.runtime.gateway import GatewayConfig, RateLimiter, create_gateway_app, load_secrets
 from coral.runtime.handmade import make_instance, make_plan
 from coral.runtime.registry import Registry
-from coral.runtime.server import ServerThread, free_port
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -14,6 +14,7 @@ from test_runtime_gateway import chat, stack, wait_for
 from coral.allocation.plan import ModelServing, Plan
 from coral.allocation.shedding import Shedder, sheds
 from coral.cli.runtime import build_runtime
+from coral.http_serving import ServerThread
 from coral.runtime.backends import EmulatedBackend
 from coral.runtime.controller import Store
 from coral.runtime.emulated import EngineTiming
@@ -21,7 +22,6 @@ from coral.runtime.gateway import GatewayConfig
 from coral.runtime.gateway.config import ShedMode
 from coral.runtime.handmade import make_instance, make_plan
 from coral.runtime.registry import Endpoint, InstanceState, Registry
-from coral.runtime.server import ServerThread
 
 pytestmark = pytest.mark.timeout(120)
 

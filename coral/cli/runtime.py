@@ -100,7 +100,7 @@ def shed_option(value: str, allowed: tuple[ShedMode, ...]) -> ShedMode:
 
 def run_server(app: FastAPI, host: str, port: int, grace_s: float) -> None:
     """Serve `app` until SIGTERM/SIGINT, then drain for at most `grace_s` (a second signal: at once)."""
-    from coral.runtime.server import DrainingServer, server_config
+    from coral.http_serving import DrainingServer, server_config
 
     DrainingServer(server_config(app, host, port, grace_s=grace_s)).run()
 

@@ -8,7 +8,8 @@ Entry points:
 - `CoralInstance.from_plan(plan_instance, checkpoint, EngineConfig(...)).start()`: one process per node, the
   scheduler and an OpenAI-compatible server on `.url`; `.stop()`. `EngineConfig(local=True)` runs the nodes as
   threads (tests); `http=False` leaves `.scheduler` to drive directly (benchmarks).
-- `coral.runtime.coral_backend.CoralEngineBackend`: the controller backend (`coral serve --backend coral`).
+- `CoralEngineBackend`, in the runtime's `coral_backend` module: the controller backend (`coral serve --backend
+  coral`). The engine imports nothing from the runtime (its HTTP serving is `coral.http_serving`, below both).
 - `python -m coral.engine.instance PLAN INSTANCE_ID CHECKPOINT [--no-launch ...]`: one instance across machines.
 - `coral.engine.reference.WholeModel`: the same checkpoint run whole by transformers (exactness reference).
 """

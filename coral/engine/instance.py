@@ -140,7 +140,7 @@ class CoralInstance:
         from transformers import AutoConfig, AutoTokenizer
 
         from coral.engine.server import Limits, create_instance_app
-        from coral.runtime.server import ServerThread
+        from coral.http_serving import ServerThread
 
         assert self.scheduler is not None
         tokenizer = AutoTokenizer.from_pretrained(self.checkpoint)
@@ -207,10 +207,11 @@ class CoralInstance:
 
 
 def generation_defaults(checkpoint: str | Path) -> dict[str, Any]:
-    """Sampling defaults the checkpoint's generation_config.json sets (vLLM's `--generation-config auto`)."""
+    """Sampling defaults the checkpoint's generation_config.json sets (vLLM's `--generation-config auto`: the
+    fields of vLLM's `get_diff_sampling_param` the engine implements)."""
     path = Path(checkpoint) / "generation_config.json"
     config = json.loads(path.read_text()) if path.exists() else {}
-    return {k: config[k] for k in ("temperature", "top_p", "top_k", "min_p") if k in config}
+    return {k: config[k] for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty") if k in config}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -41,6 +41,7 @@ class EngineConfig:
     max_inflight: int | None = None  # default: stages x widest stage
     start_timeout_s: float = 180.0
     kv_ttl_s: float = 120.0
+    kv_pull_timeout_s: float = 30.0  # a decode node's KV pull not answered within this fails (prefilled locally)
     local: bool = False  # nodes as threads of this process (tests)
     http: bool = True  # serve the OpenAI API (False: drive `scheduler` directly)
     port: int = 0  # HTTP port (0: a free one)
@@ -67,6 +68,7 @@ class NodeConfig:
     dist_init: str = ""  # torch.distributed init_method: 'file://PATH' or 'tcp://HOST:PORT'
     threads: int = 1  # torch intra-op threads (1: node processes share the machine's cores)
     kv_ttl_s: float = 120.0
+    kv_pull_timeout_s: float = 30.0  # a KV pull not answered within this fails (the request is prefilled here)
     kv_cache_gib: float = 0.25  # KV pool of each process (a TP rank holds its heads)
     kv_block_size: int = 16  # tokens per KV block
     kv_blocks: int = 0  # blocks in the pool (0: as many as fit in the budget)
@@ -143,8 +145,8 @@ class InstanceProcesses:
             advertise=cfg.advertise if cfg.launch else "",
             device=f"cuda:{process}" if cfg.device == "cuda" else cfg.device,
             dist_backend=cfg.dist_backend, dist_init=cfg.dist_init or dist_init, threads=cfg.threads_per_node,
-            kv_ttl_s=cfg.kv_ttl_s, kv_cache_gib=cfg.kv_cache_gib, kv_block_size=cfg.kv_block_size,
-            kv_blocks=cfg.kv_blocks, kv_cache_fraction=cfg.kv_cache_fraction,
+            kv_ttl_s=cfg.kv_ttl_s, kv_pull_timeout_s=cfg.kv_pull_timeout_s, kv_cache_gib=cfg.kv_cache_gib,
+            kv_block_size=cfg.kv_block_size, kv_blocks=cfg.kv_blocks, kv_cache_fraction=cfg.kv_cache_fraction,
             parent_pid=os.getpid() if cfg.launch and not cfg.local else 0,
         ) for process, (node, _) in enumerate(self.processes)]
 

@@ -9,6 +9,17 @@ Channels:
   instance (a separate process group, so not reachable by P2P): the layers asked for are removed from the
   shard and sent as raw frames. KV kept for hand-off and never taken is dropped after `kv_ttl_s`.
 
+A decode node's `pull` never blocks its command loop (`Pulls`): it sends its `take` requests (a DEALER socket
+per prefill node, every ask at once) and goes on running micro-batches; the answers are matched to their pull
+as they arrive, and a pull whose layers have all come is imported, at most one per command handled, so the
+work between two decode steps grows by one request's KV copy at most, however many requests arrive at once. A
+prefill node answers takes only between its own micro-batches (a 4,096-token prefill chunk can take over a
+second on a CPU): a decode node that waited for that answer (as it once did: a blocking REQ per pull, in
+command order) delivered no token to any of its streams meanwhile, and each pull queued before a decode step
+added another such wait (measured under `benchmarks/engine_load.py`: pulls of 1.0-1.7 s, and 6.2 s without a
+decode step, so the gateway cut streams as stalled). A pull not answered within `kv_pull_timeout_s` fails
+(the scheduler prefills the request locally); late answers are dropped.
+
 The node's KV pool (`kv_cache_gib`, a `kv_cache_fraction` of the free device memory, or `kv_blocks` blocks of
 `kv_block_size` tokens) is preallocated when the shard loads; the scheduler keeps the accounting of its blocks
 (it admits and preempts by it), so a `run` always finds its blocks free.
@@ -28,12 +39,15 @@ Run one node: `python -m coral.engine.node '<NodeConfig JSON>'` (how `CoralInsta
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import sys
 import threading
 import time
 import traceback
+from collections import deque
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -41,7 +55,7 @@ import torch.distributed as dist
 import zmq
 
 from coral.engine.launch import NodeConfig, serve_plan_node
-from coral.engine.sampling import sample
+from coral.engine.sampling import Histories, sample
 from coral.engine.shard import KV, Shard, Step
 from coral.engine.transport import (
     DistTransport,
@@ -64,6 +78,7 @@ class Node:
                            cfg.kv_block_size, cfg.kv_blocks, cfg.kv_cache_fraction)
         self.hidden = int(self.shard.config.hidden_size)
         self.ctx = ctx
+        self.histories = Histories()  # last stage: the token history of each penalised request (its leader samples)
         if self.shard.tp_rank:
             return  # a follower: no channels of its own
         self.cmd = ctx.socket(zmq.PULL)
@@ -77,7 +92,7 @@ class Node:
         self.out = ctx.socket(zmq.PUSH)
         self.out.connect(cfg.results)
         self.kept: dict[str, float] = {}  # request id -> when its KV was kept for hand-off
-        self.kv_clients: dict[str, zmq.Socket[Any]] = {}
+        self.pulls = Pulls(ctx, cfg.kv_pull_timeout_s)
 
     def process(self, node_rank: int) -> int:
         """The process rank of a node's leader (for P2P)."""
@@ -134,10 +149,16 @@ class Node:
         poller.register(self.kv_server, zmq.POLLIN)
         try:
             while True:
-                events = dict(poller.poll(1000))
+                self.pulls.register(poller)
+                events = dict(poller.poll(self.pulls.wait_ms(1000)))
                 self._expire_kept()
                 if self.kv_server in events:
                     self._serve_take()
+                self.pulls.receive(events)
+                for rid in self.pulls.expire():
+                    self._pulled(rid, {}, False)
+                if (landed := self.pulls.landed()) is not None:  # one import per command at most
+                    self._pulled(*landed)
                 if self.cmd in events and not self._handle(self.cmd.recv_json()):
                     break
         except Exception:  # report, then die: the instance is broken (downstream nodes would wait forever)
@@ -147,8 +168,9 @@ class Node:
             self.close()
 
     def close(self) -> None:
-        for sock in [self.cmd, self.kv_server, self.out, *self.kv_clients.values()]:
+        for sock in [self.cmd, self.kv_server, self.out]:
             sock.close(linger=100)
+        self.pulls.close()
         self.transport.close()
 
     def _handle(self, msg: dict[str, Any]) -> bool:
@@ -160,11 +182,16 @@ class Node:
         elif op == "free":
             for rid in msg["rids"]:
                 self.shard.free(rid)
+                self.pulls.drop(rid)
+                self.histories.drop(rid)
         elif op == "keep":
             now = time.monotonic()
             self.kept.update(dict.fromkeys(msg["rids"], now))
+            for rid in msg["rids"]:
+                self.histories.drop(rid)
         elif op == "pull":
-            self._pull(msg)
+            if self.pulls.start(msg, self.shard.first, self.shard.last) is not None:  # no source for some layer
+                self._pulled(msg["rid"], {}, False)
         elif op == "stop":
             return False
         return True
@@ -191,7 +218,12 @@ class Node:
         if not self.shard.is_last:
             self.transport.send(out, self.process(msg["dst"]), mb)
             return
-        tokens = [s.wire() for s in sample(out, [r["sp"] for r in reqs if r["sample"]])]
+        sampled = [r for r in reqs if r["sample"]]
+        steps_sp = [r["sp"] for r in sampled]
+        histories = self.histories.rows([r["rid"] for r in sampled], steps_sp, out.device)
+        chosen = sample(out, steps_sp, histories)
+        self.histories.record(histories, chosen)
+        tokens = [s.wire() for s in chosen]
         header = json.dumps({"kind": "tokens", "mb": mb, "tokens": tokens}).encode()
         if msg.get("logits"):
             self.out.send_multipart([header, *tensor_frames([out])])
@@ -219,18 +251,19 @@ class Node:
             except zmq.Again:
                 return
             ask = json.loads(raw)
+            ask = {"rid": ask["rid"], "first": ask["first"], "last": ask["last"]}  # echoed: the answer's key
             self._mirror({"op": "export", **ask})
             layers = self._export(ask["rid"], ask["first"], ask["last"])
             if layers is None:
                 error = f"request {ask['rid']}: no KV on layers [{self.shard.first}, {self.shard.last})"
-                self.kv_server.send_multipart([ident, empty, json.dumps({"error": error}).encode()])
+                self.kv_server.send_multipart([ident, empty, json.dumps({**ask, "error": error}).encode()])
                 continue
             if not self.shard.holds(ask["rid"]):
                 self._released(ask["rid"])
             order = sorted(layers)
             tensors = [t for i in order for t in layers[i]]
             self.kv_server.send_multipart(
-                [ident, empty, json.dumps({"layers": order}).encode(), *tensor_frames(tensors)]
+                [ident, empty, json.dumps({**ask, "layers": order}).encode(), *tensor_frames(tensors)]
             )
 
     def _export(self, rid: str, first: int, last: int) -> dict[int, KV] | None:
@@ -249,43 +282,144 @@ class Node:
         return {i: (torch.cat([p[i][0] for p in parts], 1), torch.cat([p[i][1] for p in parts], 1))
                 for i in parts[0]}
 
-    def _pull(self, msg: dict[str, Any]) -> None:
-        """Fetch this shard's layers of a request prefilled elsewhere, from the nodes holding each of them, and
-        tell the scheduler whether that worked (if not, it prefills the request here instead)."""
-        try:
-            kv, ok = self._take_all(msg), True
-        except (TimeoutError, KeyError, zmq.ZMQError):
-            kv, ok = {}, False
-        self._mirror({"op": "import", "rid": msg["rid"], "ok": ok}, kv, has_payload=True)
+    def _pulled(self, rid: str, kv: dict[int, KV], ok: bool) -> None:
+        """Install a pulled request's KV (on every TP rank) and tell the scheduler whether the pull worked (if
+        not, it prefills the request here instead)."""
+        self._mirror({"op": "import", "rid": rid, "ok": ok}, kv, has_payload=True)
         if ok:
-            self.shard.import_kv(msg["rid"], kv)
-        self.out.send_json({"kind": "pulled", "rank": self.cfg.rank, "rid": msg["rid"], "ok": ok})
+            self.shard.import_kv(rid, kv)
+        self.out.send_json({"kind": "pulled", "rank": self.cfg.rank, "rid": rid, "ok": ok})
 
-    def _take_all(self, msg: dict[str, Any]) -> dict[int, KV]:
-        """This shard's layers of the request, taken from the prefill nodes holding them."""
-        out: dict[int, KV] = {}
+
+@dataclass
+class Pull:
+    """One request's KV being taken from a prefill instance: the asks not answered yet, what came."""
+
+    rid: str
+    deadline: float  # time.monotonic()
+    asks: set[tuple[str, int, int]]  # (prefill node's KV address, first layer, last layer) not answered yet
+    frames: list[tuple[dict[str, Any], list[bytes]]] = field(default_factory=list)  # answers: header, tensors
+    failed: bool = False
+
+
+class Pulls:
+    """A decode node's KV pulls in flight, none blocking its command loop: `start` sends a pull's takes (one per
+    prefill node holding some of its layers, all at once, on a DEALER socket per prefill node); `receive` files
+    the answers that came, matched by (remote request, first, last), which the prefill node echoes; `landed`
+    gives the next pull whose answers are all in (its KV decoded), one at a time, so the caller bounds the work
+    done between two of its commands; `expire` gives the pulls past their deadline (a prefill node that did not
+    answer in time; its late answers are dropped)."""
+
+    def __init__(self, ctx: zmq.Context[Any], timeout_s: float) -> None:
+        self.ctx, self.timeout_s = ctx, timeout_s
+        self.clients: dict[str, zmq.Socket[Any]] = {}  # prefill node KV address -> DEALER socket
+        self.registered: set[zmq.Socket[Any]] = set()
+        self.pending: dict[str, Pull] = {}  # request id (here) -> its pull
+        self.waiting: dict[tuple[str, int, int], str] = {}  # (remote request, first, last) -> request id here
+        self.done: deque[str] = deque()  # pulls whose answers are all in, in arrival order
+
+    def start(self, msg: dict[str, Any], first: int, last: int) -> str | None:
+        """Send the takes of layers [first, last) of `msg`'s request; why it cannot be pulled, or None."""
+        rid, remote = msg["rid"], msg["remote_rid"]
+        asks: set[tuple[str, int, int]] = set()
+        covered: set[int] = set()
         for src in msg["sources"]:
-            first, last = max(src["first"], self.shard.first), min(src["last"], self.shard.last)
-            if first >= last:
-                continue
-            sock = self.kv_clients.get(src["kv"])
+            lo, hi = max(src["first"], first), min(src["last"], last)
+            if lo < hi:
+                asks.add((src["kv"], lo, hi))
+                covered.update(range(lo, hi))
+        if missing := set(range(first, last)) - covered:
+            return f"KV of {remote}: no source for layers {sorted(missing)}"
+        self.pending[rid] = Pull(rid, time.monotonic() + self.timeout_s, set(asks))
+        for addr, lo, hi in asks:
+            sock = self.clients.get(addr)
             if sock is None:
-                sock = self.kv_clients[src["kv"]] = self.ctx.socket(zmq.REQ)
-                sock.connect(src["kv"])
-            sock.send_json({"rid": msg["remote_rid"], "first": first, "last": last})
-            if not sock.poll(30_000):
-                self.kv_clients.pop(src["kv"]).close(linger=0)  # a REQ socket without its answer is stuck
-                raise TimeoutError(f"KV of {msg['remote_rid']} layers [{first}, {last}): no answer from {src['kv']}")
-            frames = sock.recv_multipart()
-            head = json.loads(frames[0])
-            if "error" in head:
-                raise KeyError(f"KV of {msg['remote_rid']} from {src['kv']}: {head['error']}")
-            tensors = frames_tensors(frames[1:])
-            out.update({i: (tensors[2 * j], tensors[2 * j + 1]) for j, i in enumerate(head["layers"])})
-        missing = set(range(self.shard.first, self.shard.last)) - set(out)
-        if missing:
-            raise KeyError(f"KV of {msg['remote_rid']}: no source for layers {sorted(missing)}")
-        return out
+                sock = self.clients[addr] = self.ctx.socket(zmq.DEALER)
+                sock.connect(addr)
+            self.waiting[(remote, lo, hi)] = rid
+            try:  # never wait here: a prefill node gone for long has a full queue
+                sock.send_multipart([b"", json.dumps({"rid": remote, "first": lo, "last": hi}).encode()], zmq.NOBLOCK)
+            except zmq.Again:
+                self.drop(rid)
+                return f"KV of {remote}: {addr} takes no more requests"
+        return None
+
+    def register(self, poller: zmq.Poller) -> None:
+        for sock in self.clients.values():
+            if sock not in self.registered:
+                poller.register(sock, zmq.POLLIN)
+                self.registered.add(sock)
+
+    def wait_ms(self, longest: int) -> int:
+        """How long the command loop may wait for events: not past the soonest pull deadline, not at all while
+        a landed pull waits for its import."""
+        if self.done:
+            return 0
+        soonest = min((p.deadline for p in self.pending.values()), default=None)
+        if soonest is None:
+            return longest
+        return max(0, min(longest, math.ceil((soonest - time.monotonic()) * 1000)))
+
+    def receive(self, events: dict[Any, int]) -> None:
+        """File every answer that came (no decoding here: recv only)."""
+        for addr, sock in self.clients.items():
+            if sock not in events:
+                continue
+            while True:
+                try:
+                    frames = sock.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                head = json.loads(frames[1])
+                remote, lo, hi = str(head.get("rid")), int(head.get("first", -1)), int(head.get("last", -1))
+                pull = self.pending.get(self.waiting.pop((remote, lo, hi), ""))
+                if pull is None:
+                    continue  # a pull that expired or was dropped
+                pull.asks.discard((addr, lo, hi))
+                if "error" in head:  # no KV there: the pull fails now, its other answers are dropped
+                    pull.failed = True
+                    self._forget(pull.rid)
+                    pull.asks.clear()
+                pull.frames.append((head, frames[2:]))
+                if not pull.asks:
+                    self.done.append(pull.rid)
+
+    def landed(self) -> tuple[str, dict[int, KV], bool] | None:
+        """The next pull whose answers are all in: (request id, its layers' KV, whether all came)."""
+        while self.done:
+            pull = self.pending.pop(self.done.popleft(), None)
+            if pull is None:
+                continue
+            if pull.failed:
+                return pull.rid, {}, False
+            kv: dict[int, KV] = {}
+            for head, frames in pull.frames:
+                tensors = frames_tensors(frames)
+                kv.update({i: (tensors[2 * j], tensors[2 * j + 1]) for j, i in enumerate(head["layers"])})
+            return pull.rid, kv, True
+        return None
+
+    def expire(self) -> list[str]:
+        """The pulls past their deadline (forgotten: their answers, if they come, are dropped)."""
+        now = time.monotonic()
+        gone = [rid for rid, p in self.pending.items() if p.deadline <= now and p.asks]
+        for rid in gone:
+            self.drop(rid)
+        return gone
+
+    def drop(self, rid: str) -> None:
+        """Forget `rid`'s pull (its KV is freed, or it expired)."""
+        if self.pending.pop(rid, None) is not None:
+            self._forget(rid)
+
+    def _forget(self, rid: str) -> None:
+        """Drop the answers still awaited for `rid`'s pull when they come."""
+        for key in [k for k, r in self.waiting.items() if r == rid]:
+            del self.waiting[key]
+
+    def close(self) -> None:
+        for sock in self.clients.values():
+            sock.close(linger=0)
 
 
 def serve_local(cfg: NodeConfig, hub: LocalHub, ctx: zmq.Context[Any]) -> None:

@@ -2,8 +2,18 @@
 sampler the last stage's node runs on a micro-batch's logits (`sample`).
 
 Per sampled step, in vLLM's order: tokens banned for the step (stop tokens before `min_tokens`) are masked,
-then temperature (0: greedy, the argmax of the logits), min_p, top_k and top_p filter the distribution, and a
-token is drawn from it by the exponential race (argmax of probs / q, q ~ Exp(1)). A seeded request's noise
+then the penalties apply (`apply_penalties`), then temperature (0: greedy, the argmax of the penalised logits),
+min_p, top_k and top_p filter the distribution, and a token is drawn from it by the exponential race (argmax of
+probs / q, q ~ Exp(1)).
+
+Penalties as vLLM applies them: `repetition_penalty` p (transformers' and vLLM's: a logit of a token id seen in
+the prompt or the output so far is divided by p when positive, multiplied by p otherwise), then OpenAI's
+`frequency_penalty` (minus f x the token's count in the output) and `presence_penalty` (minus p once the token is
+in the output). A request that does not set `repetition_penalty` takes the checkpoint's generation config (as
+vLLM does; e.g. 1.05 or 1.1 on some instruction-tuned models, a silent difference otherwise). What a
+penalty looks at lives on the last stage's node (`TokenHistory`, by request): the scheduler sends the prompt's
+token ids and the output so far with a penalised request's first sampled step there (again after its KV was
+dropped: preempted, or a PD pull that failed), and the node adds each token it samples. A seeded request's noise
 comes from a generator seeded by (request seed, output index) alone: it gives the same tokens whatever
 micro-batch, data-parallel path or recomputation after preemption its steps run in; unseeded rows draw their
 noise together from the node's generator (one kernel). Logprobs are those of the
@@ -14,6 +24,7 @@ Fields the engine does not implement are refused (`unsupported`) naming the fiel
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -36,10 +47,18 @@ class SamplingParams:
     seed: int | None = None
     min_tokens: int = 0
     logprobs: int | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
+
+    @property
+    def penalized(self) -> bool:
+        """Whether a penalty applies (its steps need the request's `TokenHistory` on the last stage's node)."""
+        return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
 
     def step(self, index: int, banned: frozenset[int]) -> dict[str, Any]:
         """The wire form of output token `index`'s sampling (what the last stage's node needs); `banned`: the
@@ -51,6 +70,12 @@ class SamplingParams:
                 out["s"] = token_seed(self.seed, index)
         if index < self.min_tokens and banned:
             out["ban"] = sorted(banned)
+        if self.repetition_penalty != 1:
+            out["rp"] = self.repetition_penalty
+        if self.presence_penalty:
+            out["pp"] = self.presence_penalty
+        if self.frequency_penalty:
+            out["fp"] = self.frequency_penalty
         if self.logprobs is not None:
             out["lp"] = self.logprobs
         return out
@@ -72,9 +97,6 @@ GREEDY = SamplingParams()
 
 # fields of the request schema the engine does not implement, refused when set to anything but their neutral value
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "presence_penalty": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0),
-    "repetition_penalty": (None, 1, 1.0),
     "logit_bias": (None, {}),
     "suffix": (None, ""),
     "echo": (None, False),
@@ -101,7 +123,8 @@ def unsupported(body: dict[str, Any], req: CompletionRequest | ChatCompletionReq
 
 def sampling_params(req: CompletionRequest | ChatCompletionRequest, defaults: dict[str, Any]) -> SamplingParams:
     """The parameters of a validated request; unset fields take `defaults` (the checkpoint's generation config,
-    as vLLM's `--generation-config auto`), then vLLM's (temperature 1)."""
+    as vLLM's `--generation-config auto`: temperature, top_p, top_k, min_p, repetition_penalty), then vLLM's
+    (temperature 1, no penalty)."""
 
     def pick(name: str, fallback: Any) -> Any:
         value = getattr(req, name, None)
@@ -116,6 +139,8 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, defaults: di
     return SamplingParams(
         temperature=float(pick("temperature", 1.0)), top_p=float(pick("top_p", 1.0)), top_k=int(pick("top_k", 0)),
         min_p=float(pick("min_p", 0.0)), seed=req.seed, min_tokens=req.min_tokens or 0, logprobs=logprobs,
+        repetition_penalty=float(pick("repetition_penalty", 1.0)),
+        presence_penalty=float(req.presence_penalty or 0.0), frequency_penalty=float(req.frequency_penalty or 0.0),
     )
 
 
@@ -137,12 +162,108 @@ class Sampled:
         return cls(int(raw[0]), float(raw[1]), tuple((int(i), float(lp)) for i, lp in raw[2]))
 
 
-def filtered_logits(logits: torch.Tensor, steps: list[dict[str, Any]]) -> torch.Tensor:
-    """(rows, vocab) logits of sampled rows after banning, temperature, min_p, top_k and top_p (-inf: filtered)."""
+def history_wire(prompt: Sequence[int], output: Sequence[int]) -> dict[str, list[int]]:
+    """What a penalised request's first sampled step on a node carries (`SamplingParams.step` under "hist"):
+    its prompt's token ids (each once) and its output so far."""
+    return {"p": sorted(set(prompt)), "o": list(output)}
+
+
+@dataclass
+class TokenHistory:
+    """The token ids one request's penalties look at: those of its prompt (each once, on the logits' device)
+    and its output so far."""
+
+    prompt: torch.Tensor
+    output: list[int]
+
+    @classmethod
+    def of_wire(cls, wire: dict[str, list[int]], device: torch.device) -> TokenHistory:
+        return cls(torch.tensor(wire["p"], dtype=torch.long, device=device), list(wire["o"]))
+
+
+class Histories:
+    """The `TokenHistory` of each penalised request whose steps a last-stage node samples, by request id: made
+    from the "hist" its first sampled step carries, extended by each token sampled, dropped with its KV."""
+
+    def __init__(self) -> None:
+        self.by_rid: dict[str, TokenHistory] = {}
+
+    def rows(self, rids: Sequence[str], steps: Sequence[dict[str, Any]], device: torch.device
+             ) -> list[TokenHistory | None]:
+        """The history of each sampled row (None: no penalty); KeyError for a penalised row whose request has
+        none here (the scheduler sends it with the request's first sampled step, so that is a bug)."""
+        out: list[TokenHistory | None] = []
+        for rid, st in zip(rids, steps, strict=True):
+            if "hist" in st:
+                self.by_rid[rid] = TokenHistory.of_wire(st["hist"], device)
+            if not penalized(st):
+                out.append(None)
+            elif (h := self.by_rid.get(rid)) is not None:
+                out.append(h)
+            else:
+                raise KeyError(f"request {rid}: a penalised step without the request's token history")
+        return out
+
+    def record(self, rows: Sequence[TokenHistory | None], sampled: Sequence[Sampled]) -> None:
+        """Each penalised row's sampled token joins its output."""
+        for h, s in zip(rows, sampled, strict=True):
+            if h is not None:
+                h.output.append(s.token)
+
+    def drop(self, rid: str) -> None:
+        self.by_rid.pop(rid, None)
+
+
+def penalized(step: dict[str, Any]) -> bool:
+    """Whether a step's wire form asks for a penalty."""
+    return "rp" in step or "pp" in step or "fp" in step
+
+
+def apply_penalties(x: torch.Tensor, steps: Sequence[dict[str, Any]],
+                    histories: Sequence[TokenHistory | None]) -> torch.Tensor:
+    """`x` (rows, vocab, float32) with each penalised row's penalties applied in place, vectorised over the rows
+    (vLLM's `apply_penalties`): repetition (`rp`) on every token id of the prompt or the output, divided when
+    positive, multiplied otherwise; then frequency (`fp` x its count in the output) and presence (`pp` once in
+    the output) subtracted."""
+    rows = [i for i, st in enumerate(steps) if penalized(st)]
+    if not rows:
+        return x
+    dev, n = x.device, len(rows)
+    hist = [histories[i] for i in rows]
+    if any(h is None for h in hist):
+        raise ValueError("a penalised row without its token history")
+    counts = torch.zeros(n, x.shape[-1], dtype=torch.float32, device=dev)
+    out_ids = [torch.tensor(h.output, dtype=torch.long, device=dev) for h in hist if h is not None]
+    out_rows = torch.repeat_interleave(torch.arange(n, device=dev),
+                                       torch.tensor([len(t) for t in out_ids], device=dev))
+    counts.index_put_((out_rows, torch.cat(out_ids)), torch.ones(len(out_rows), device=dev), accumulate=True)
+    in_output = counts > 0
+    prompt_ids = [h.prompt for h in hist if h is not None]
+    prompt_rows = torch.repeat_interleave(torch.arange(n, device=dev),
+                                          torch.tensor([len(t) for t in prompt_ids], device=dev))
+    seen = in_output.clone()
+    seen[prompt_rows, torch.cat(prompt_ids)] = True
+    index = torch.tensor(rows, device=dev)
+    sub = x.index_select(0, index)
+    rp = torch.tensor([steps[i].get("rp", 1.0) for i in rows], dtype=torch.float32, device=dev)[:, None]
+    penalty = torch.where(seen, rp, torch.ones_like(rp))
+    sub = torch.where(sub > 0, sub / penalty, sub * penalty)
+    fp = torch.tensor([steps[i].get("fp", 0.0) for i in rows], dtype=torch.float32, device=dev)[:, None]
+    pp = torch.tensor([steps[i].get("pp", 0.0) for i in rows], dtype=torch.float32, device=dev)[:, None]
+    sub -= fp * counts + pp * in_output
+    x.index_copy_(0, index, sub)
+    return x
+
+
+def filtered_logits(logits: torch.Tensor, steps: list[dict[str, Any]],
+                    histories: Sequence[TokenHistory | None] | None = None) -> torch.Tensor:
+    """(rows, vocab) logits of sampled rows after banning, penalties, temperature, min_p, top_k and top_p (-inf:
+    filtered); `histories`: each row's `TokenHistory` (None for rows without a penalty)."""
     x = logits.to(torch.float32, copy=True)
     for row, st in enumerate(steps):
         if st.get("ban"):
             x[row, st["ban"]] = float("-inf")
+    x = apply_penalties(x, steps, histories if histories is not None else [None] * len(steps))
     dev, inf = x.device, float("-inf")
     x /= torch.tensor([st["t"] or 1.0 for st in steps], device=dev)[:, None]
     if any(st.get("m", 0) > 0 for st in steps):
@@ -166,10 +287,13 @@ def filtered_logits(logits: torch.Tensor, steps: list[dict[str, Any]]) -> torch.
     return x
 
 
-def sample(logits: torch.Tensor, steps: list[dict[str, Any]]) -> list[Sampled]:
+def sample(logits: torch.Tensor, steps: list[dict[str, Any]],
+           histories: Sequence[TokenHistory | None] | None = None) -> list[Sampled]:
     """A token per row of `logits` (the micro-batch's sampled steps), each chosen by its `SamplingParams.step`
-    wire form; greedy rows take the argmax of their (banned) logits."""
-    x = filtered_logits(logits, steps) if any(st["t"] or "ban" in st for st in steps) else logits
+    wire form (a penalised row needs its `TokenHistory` in `histories`); greedy rows take the argmax of their
+    (banned, penalised) logits. Logprobs are those of the raw logits."""
+    shaped = any(st["t"] or "ban" in st or penalized(st) for st in steps)
+    x = filtered_logits(logits, steps, histories) if shaped else logits
     greedy = x.argmax(-1)
     drawn = [i for i, st in enumerate(steps) if st["t"]]
     tokens = greedy

@@ -39,7 +39,7 @@ from typing import Any
 import zmq
 
 from coral.engine.layout import Layout
-from coral.engine.sampling import GREEDY, Sampled, SamplingParams
+from coral.engine.sampling import GREEDY, Sampled, SamplingParams, history_wire
 from coral.engine.transport import frames_tensors
 
 # (token or None, finish reason or None, logits of the step if asked) -> None; called on the scheduler thread.
@@ -89,6 +89,7 @@ class Request:
     cancelled: bool = False
     pulling: bool = False  # PD decode: pulls sent
     pulls: dict[int, bool] = field(default_factory=dict)  # PD decode: rank -> took its layers' KV
+    history_sent: bool = False  # penalised: the last node of its path holds its token history (while its KV does)
 
 
 class Scheduler:
@@ -315,6 +316,7 @@ class Scheduler:
             self.cmd[rank].send_json({"op": "free", "rids": [req.rid]})
         self._hold(req, -req.blocks)
         req.position = 0
+        req.history_sent = False  # the last node dropped it with the KV
 
     def _emit(self, req: Request, sampled: Sampled, logits: list[float] | None) -> None:
         """A new token of `req`: finish the request or queue its next step, then hand the token on."""
@@ -412,10 +414,14 @@ class Scheduler:
         path = batch[0][0].path
         steps = [(r, n, n == len(r.pending)) for r, n in batch]
         reqs = [{"rid": r.rid, "n": n, "start": r.position, "sample": sample} for r, n, sample in steps]
+        histories: dict[str, dict[str, list[int]]] = {}  # penalised requests' token histories, to the last node
         for q, (r, _, sample) in zip(reqs, steps, strict=True):
             self._unwait(r)
             if sample:
                 q["sp"] = r.sampling.step(len(r.output), r.stop_ids)
+                if r.sampling.penalized and not r.history_sent:
+                    histories[r.rid] = history_wire(r.prompt, r.output)
+                    r.history_sent = True
         logits = any(r.want_logits and sample for r, _, sample in steps)
         for k, rank in enumerate(path):
             msg: dict[str, Any] = {
@@ -424,6 +430,9 @@ class Scheduler:
             }
             if k == 0:
                 msg["reqs"] = [{**q, "tokens": r.pending[:n]} for q, (r, n, _) in zip(reqs, steps, strict=True)]
+            if k == len(path) - 1 and histories:
+                msg["reqs"] = [{**q, "sp": {**q["sp"], "hist": histories[q["rid"]]}} if q["rid"] in histories else q
+                               for q in msg["reqs"]]
             self.cmd[rank].send_json(msg)
         for r, _, _ in steps:
             r.busy = True

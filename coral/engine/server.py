@@ -2,15 +2,17 @@
 
 Same endpoints and answer shapes as the emulated engine (/health, /v1/models, /v1/completions,
 /v1/chat/completions, SSE streaming), with real tokens. Requests are validated by `coral.openai_shapes` (400
-naming the field), then by what the engine implements (`coral.engine.sampling.unsupported`: penalties,
-`logit_bias`, `best_of` != n, `echo`, `suffix`, tools, guided decoding, ... are a 400 naming the field).
-Honoured: `temperature`, `top_p`, `top_k`, `min_p`, `seed`, `n` (one engine request per choice, seeds `seed + i`),
+naming the field), then by what the engine implements (`coral.engine.sampling.unsupported`: `logit_bias`,
+`best_of` != n, `echo`, `suffix`, tools, guided decoding, ... are a 400 naming the field).
+Honoured: `temperature`, `top_p`, `top_k`, `min_p`, `repetition_penalty`, `presence_penalty`,
+`frequency_penalty` (as vLLM applies them), `seed`, `n` (one engine request per choice, seeds `seed + i`),
 `stop` (cut on the text, `finish_reason: "stop"`; a stream holds back text that may begin a stop string),
 `stop_token_ids`, `min_tokens`, `ignore_eos`, `max_tokens`/`max_completion_tokens`, `logprobs` (completions:
 top N with `tokens`/`token_logprobs`/`top_logprobs`/`text_offset`; chat: `logprobs` + `top_logprobs`),
-`stream_options.include_usage`. Unset sampling fields take the checkpoint's generation config, then vLLM's
-defaults (temperature 1). Extensions as vLLM: `prompt` may be token ids, `return_token_ids: true` adds the
-prompt's and the output's token ids to the choice.
+`stream_options.include_usage`. Unset sampling fields take the checkpoint's generation config (temperature,
+top_p, top_k, min_p, repetition_penalty), then vLLM's defaults (temperature 1, no penalty). Extensions as
+vLLM: `prompt` may be token ids, `return_token_ids: true` adds the prompt's and the output's token ids to the
+choice.
 
 Context: prompt + max_tokens must fit the model's context (`max_position_embeddings`), else 400
 `context_length_exceeded` naming both; without max_tokens a request may produce the rest of the context.

@@ -22,10 +22,10 @@ from coral.allocation.plan import PlanInstance
 from coral.catalog.loader import Catalog, CoralInputError, builtin_catalog
 from coral.catalog.schema import parse_config_name
 from coral.deploy.vllm import launch_commands
+from coral.http_serving import ServerThread, free_port
 from coral.perf.model import PerfModel
 from coral.perf.roofline import RooflineModel
 from coral.runtime.emulated import instance_engine_app
-from coral.runtime.server import ServerThread, free_port
 
 Handle = dict[str, Any]
 

@@ -30,10 +30,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from coral.allocation.plan import PlanInstance
 from coral.catalog.loader import Catalog, builtin_catalog
 from coral.catalog.schema import ModelArch
+from coral.http_serving import unless_disconnected
 from coral.openai_shapes import bearer_allowed, chunk, error_body, full, max_tokens_of, usage
 from coral.perf.model import PerfModel, Phase, Workload
 from coral.perf.roofline import RooflineModel
-from coral.runtime.server import unless_disconnected
 
 VOCAB = ("the", "cat", "sat", "on", "a", "warm", "mat", "and", "dreamt", "of", "fish", "in", "blue", "seas")
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from coral.engine.launch import NodeConfig, on_machine, spawn_node
-from coral.runtime.server import free_port
+from coral.http_serving import free_port
 
 if TYPE_CHECKING:
     from coral.engine.instance import EngineConfig

@@ -18,10 +18,10 @@ pool; once streaming started, an error ends the stream with an SSE error event. 
 503 with Retry-After) is no failure: another instance of the pool is tried, and when none has room the client gets
 that status and Retry-After at once (an engine's 504 with Retry-After, its deadline passed, at once); an engine's
 503 `engine_unavailable` (a node died) is a failure, and the instance is out of routing until a probe passes. A
-client that disconnects before its answer cancels its upstream calls (`coral.runtime.server.unless_disconnected`).
+client that disconnects before its answer cancels its upstream calls (`coral.http_serving.unless_disconnected`).
 In-flight counts are released in `finally` blocks that also run on client cancels, and endpoints are released on
 the object they were picked on, so churn cannot skew them. When the server's shutdown grace is over (or at a second
-signal: `coral.runtime.server.closing_event`), `Gateway.shut` answers the requests still waiting 503
+signal: `coral.http_serving.closing_event`), `Gateway.shut` answers the requests still waiting 503
 `server_shutdown` and ends each open stream with an SSE error event of that code and `data: [DONE]`.
 
 Access: with API keys configured (or read-only tokens), every path but `/health` needs `Authorization: Bearer KEY`

@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from coral.allocation.shedding import Shedder
+from coral.http_serving import closing_event, unless_disconnected
 from coral.openai_shapes import InvalidRequest, parse_request
 from coral.runtime.gateway.access import AccessGuard, FramingGuard
 from coral.runtime.gateway.config import (
@@ -36,7 +37,6 @@ from coral.runtime.gateway.errors import (
 from coral.runtime.gateway.relay import forward
 from coral.runtime.gateway.upstream import Gateway, RelayResponse
 from coral.runtime.registry import Registry
-from coral.runtime.server import closing_event, unless_disconnected
 
 
 def length_error(config: GatewayConfig, body: dict[str, Any], chat: bool) -> JSONResponse | None:
@@ -115,15 +115,21 @@ def create_gateway_app(
 
     def shed(model: str, body: dict[str, Any]) -> JSONResponse | None:
         """429 `model_over_capacity` with Retry-After for a request beyond its model's capacity while the
-        gateway sheds (`Gateway.shed_wait`); None when it may go on."""
+        gateway sheds (`Gateway.shed_wait`); None when it may go on. A phase with no capacity left (every
+        instance of it lost, e.g. a decode node killed, until its replacement is ready) never refills: its
+        requests get the gateway's `retry_after_s` (the wait was infinite, and a 500 OverflowError once)."""
         wait = gw.shed_wait(model, prompt_tokens(body), output_tokens(body))
         if wait <= 0:
             return None
         gw.requests.labels(model, "shed").inc()
-        rates = ", ".join(f"{phase} {rate:,.8g} tokens/s" for (m, phase), rate in sorted(registry.capacity().items())
-                          if m == model)
-        msg = f"{model} is over its capacity ({rates}): the excess is refused; retry after {math.ceil(wait)} s"
-        return error_response(429, msg, "model_over_capacity", None, math.ceil(wait))
+        capacity = {phase: rate for (m, phase), rate in registry.capacity().items() if m == model}
+        empty = sorted(phase for (m, phase), rate in gw.shed_now().items() if m == model and rate <= 0)
+        capacity.update(dict.fromkeys(empty, 0.0))
+        rates = ", ".join(f"{phase} {rate:,.8g} tokens/s" for phase, rate in sorted(capacity.items()))
+        retry = math.ceil(wait) if math.isfinite(wait) else gw.config.retry_after_s
+        why = "the excess is refused" if math.isfinite(wait) else f"nothing serves its {' and '.join(empty)} now"
+        msg = f"{model} is over its capacity ({rates}): {why}; retry after {retry} s"
+        return error_response(429, msg, "model_over_capacity", None, retry)
 
     @app.get("/health")
     async def health() -> dict[str, Any]:

@@ -137,7 +137,7 @@ class Gateway:
         return token is not None and key_digest(token) in self.config.admin_token_digests
 
     def shut(self) -> None:
-        """The server's grace is over (`coral.runtime.server.closing_event`): requests without an answer yet are
+        """The server's grace is over (`coral.http_serving.closing_event`): requests without an answer yet are
         cancelled (the client gets 503 `server_shutdown`), and the upstream answers being streamed are cut, each
         stream ending with an SSE error event of that code and `[DONE]` (`relay.forward`)."""
         self.closing = True
@@ -471,7 +471,15 @@ async def _paced(first: bytes | None, rest: AsyncIterator[bytes], gap_s: float, 
     instance that makes progress is not stalled (its micro-batches can hold a stream back longer than a token's
     time), one that delivers nothing to anyone is. TimeoutError past either bound. Each wait costs one timer, as a
     plain timeout would: the timer, when it fires, moves itself to the instance's newer progress instead of
-    expiring."""
+    expiring.
+
+    `gap_s` stays k x the TPOT SLO, not a looser dead-instance bound: a dead node is already failed by its engine
+    (503 `engine_unavailable`) and a dead process by its connection, so what this catches is an instance alive
+    but silent (hung, stopped, starved), whose streams would otherwise wait out the whole-answer bound. An engine
+    with running streams delivers some token every step; the Coral engine keeps that while it takes new
+    requests' KV (its decode nodes never wait on a hand-off: `coral.engine.node.Pulls`; before, a pull waiting
+    on a busy prefill node left every stream of the instance without a token for 1-6 s under
+    `benchmarks/engine_load.py`, and this check cut them)."""
     if first is None:
         return
     loop = asyncio.get_running_loop()

@@ -1,6 +1,10 @@
 """uvicorn for Coral's servers: bounded header reads and shutdown (`server_config`, `DrainingServer`), and
-`ServerThread`, an app served in a background thread on loopback (tests, emulated engines), and
+`ServerThread`, an app served in a background thread on loopback (engine instances, tests, emulated engines), and
 `unless_disconnected`, which cancels a request's work when its client leaves before the answer.
+
+A top-level module, below both the runtime (`coral serve`'s gateway and controller, `coral.runtime`) and the
+engine (`coral.engine`, whose instances serve the OpenAI API with `ServerThread`): the engine imports nothing
+from the runtime, which starts engines.
 
 uvicorn bounds neither the time a client may take to send a request's headers (a connection that sends a few
 bytes and stalls is held forever) nor, by default, a graceful shutdown (stuck requests keep the process alive).
