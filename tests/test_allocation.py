@@ -647,6 +647,37 @@ def test_a_tiny_time_limit_still_returns_a_plan(mode: Mode) -> None:
     assert plan.instances and (mode != "cost" or min(s.served_fraction for s in plan.serving) == pytest.approx(1.0))
 
 
+def test_cost_mode_stopped_before_any_plan_returns_the_max_min_plan_that_serves_all(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a loaded machine the cost stage's safety net can stop it before it has any plan (seen: a 0.01 s limit
+    beside two busy processes). When the max-min stage then serves every key in full, demand can be met: cost
+    mode returns a plan within availability, says why, and does not raise 'infeasible' (it did)."""
+    from coral.allocation import allocator
+
+    models = ["a", "b", "c"]
+    lib = random_library(21, models, n=30)
+    sc = scenario(models, rates=[6.0, 4.0, 5.0])
+    cluster = nodes_of(allocate(lib, sc, availability=UNLIMITED, gap=1e-9))
+    real = allocator._solve_cost
+    calls = []
+
+    def stopped_first(*args: object, **kwargs: object) -> allocator._Stage:
+        stage = real(*args, **kwargs)  # type: ignore[arg-type]
+        calls.append(stage)
+        if len(calls) > 1:
+            return stage
+        out = solver.Outcome("time limit", None, None, None, None, 0.0, stage.out.n_cols, stage.out.n_rows,
+                             safety_net="the wall-clock time limit had run out")
+        return allocator._Stage(out, stage.layout, np.zeros_like(stage.served))
+
+    monkeypatch.setattr(allocator, "_solve_cost", stopped_first)
+    plan = allocate(lib, sc, availability=cluster)
+    check_plan(plan, {r: {c: cluster[r].get(c, 0) for c in CONFIGS} for r in REGIONS})
+    assert min(s.served_fraction for s in plan.serving) == pytest.approx(1.0)
+    assert any("cost stage found no plan" in n for n in plan.solve.notes)
+    assert plan.solve.safety_net
+
+
 @pytest.mark.parametrize("seed", range(30))
 def test_final_mip_on_few_columns_keeps_a_true_bound(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """Short of time past FULL_MIP_COLUMNS, the final MIP keeps the columns of least reduced cost: the plan stays

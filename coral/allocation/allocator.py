@@ -506,9 +506,20 @@ def allocate(
     ones = np.ones(len(ctx.demand))
     if mode == "cost":
         cost = _solve_cost(ctx, 1.0, None, left(), gap)
-        if cost.out.x is None:
-            raise _explain(ctx, None, ones, left(), gap)
-        return _plan(ctx, cost.out, cost.layout, "cost", _report(ctx, cost.out), method)
+        if cost.out.x is not None:
+            return _plan(ctx, cost.out, cost.layout, "cost", _report(ctx, cost.out), method)
+        # a limit stopped the cost stage before any plan: the max-min stage decides whether demand can be met, and
+        # its plan, when it serves every key in full, is a plan (the cost stage again, from it, may improve it)
+        mm = _solve_served(ctx, "maxmin", ones, None, left(2), gap, duals=True)
+        if mm.out.x is None or not (mm.served >= 1 - 1e-9).all():
+            raise _explain(ctx, mm, ones, left(), gap)
+        again = _solve_cost(ctx, 1.0, None, left(), gap, prev=mm)
+        best = again if again.out.x is not None else mm
+        notes = [f"cost stage found no plan ({cost.out.status}): the max-min stage's plan, which serves all demand, "
+                 f"{'was its warm start' if best is again else 'is kept'}"]
+        return _plan(ctx, best.out, best.layout, "cost", _report(ctx, best.out, cost.out.time_s + mm.out.time_s,
+                                                                  notes, {"cost (first)": cost.out,
+                                                                          "max-min": mm.out}), method)
     weights = ones if mode == "scaled" else ctx.weights
     to_come = 3 if mode == "goodput" else 2  # max-min, goodput, cost
     ctx.cover = _coverage(ctx, weights, left(to_come + 1))

@@ -10,8 +10,9 @@ then offers f·E_c nodes of c in total, spread evenly over the regions of the sc
     A[r][c] = ceil(f · E_c / |R_c|)   for r in R_c (regions offering c),   0 elsewhere and for unused configs.
 
 So f = 1.25 leaves 25% headroom on the cheapest plan's shapes, and spreading over regions forces a scarce plan
-to use dearer regions or other shapes. Since E_c is Coral's own plan, the rule favours Coral's shapes: the
-built-in "scarce" experiments use it (f = 1.25 core, 1.75 extended), the shipped scenarios plan in the market.
+to use dearer regions or other shapes. Since E_c is Coral's own plan, the rule favours Coral's shapes: only the
+built-in "below" and "epochs" experiments use it; the shipped scenarios plan in the market, and the "scarce"
+experiment in market files of its own (`coral/data/markets/`).
 """
 
 from __future__ import annotations
