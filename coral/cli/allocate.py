@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import typer
+from rich.console import Console
 
 from coral.catalog.loader import CoralInputError, scenario_and_market
 from coral.cli.common import (
@@ -187,8 +188,9 @@ def plan_summary(plan: Plan, path: Path, times: dict[str, float]) -> dict[str, A
 
 @friendly_errors
 def experiment_cmd(
-    name: str = typer.Argument(..., help="default | scarce | imbalanced | epochs | waterfall"),
-    target: str | None = typer.Argument(None, help="scenario of epochs (default extended) or waterfall (core)"),
+    name: str = typer.Argument(..., help="default | scarce | below | imbalanced | epochs | waterfall"),
+    target: str | None = typer.Argument(None, help="scenario of epochs (default extended) or waterfall (core); "
+                                        "scarce and imbalanced: one of core and extended (default both)"),
     out: Path = typer.Option(DEFAULT_OUT, help="output folder (libraries cached here; results in experiments/)"),
     time_limit: float = typer.Option(30.0, help="solver time limit per solve, s"),
     scenario: str | None = typer.Option(None, help="same as the second argument"),
@@ -196,15 +198,18 @@ def experiment_cmd(
     as_json: bool = typer.Option(False, "--json", help=JSON_HELP),
 ) -> None:
     """Run an allocation experiment: print a table, write JSON and a PNG plot."""
-    from coral.experiments.allocation import run_experiment
+    from coral.experiments.allocation import EXPERIMENTS, run_experiment, takes
 
     chosen = target or scenario
-    if chosen and name not in ("epochs", "waterfall"):
-        raise CoralInputError(f"experiment {name!r} takes no scenario (only epochs and waterfall do)")
+    if chosen and name in EXPERIMENTS and not takes(name, "scenario"):
+        raise CoralInputError(f"experiment {name!r} takes no scenario (epochs, waterfall, scarce and imbalanced do)")
     check_out_folder(out)
     t0 = time.perf_counter()
     options: dict[str, Any] = {"scenario": chosen} if chosen else {}
-    result = run_experiment(name, out, time_limit, offerings=offerings, **options)
+    err = Console(stderr=True)
+    result = run_experiment(name, out, time_limit, offerings=offerings,
+                            progress=lambda line: err.print(f"[dim]{line}[/]", highlight=False, soft_wrap=True),
+                            **options)
     if as_json:
         print_json(experiment_summary(result))
         return

@@ -1,8 +1,13 @@
 """Allocation experiments: planned cost of Coral vs the baselines (homo-ilp, homo-greedy, cauchy-paper; see
-coral.allocation.baselines), goodput under scarcity, online solve time, a multi-epoch run with shifting demand
-and availability, and the waterfall from the paper's setting to ours.
+coral.allocation.baselines), every method at equal attainment in scarce markets and under imbalanced demand,
+goodput below the estimated demand, a multi-epoch run with shifting demand and availability, and the waterfall
+from the paper's setting to ours.
 
-SLO goodput is measured as the paper measures it, by simulation: every plan of the default, scarce and
+The scarce and imbalanced experiments compare methods as the paper's claims need: at equal SLO attainment.
+Each method's planner goes through the same deterministic search as `coral run` (`coral.planning.search_plan`),
+and where its market holds no plan meeting the targets it plans its most goodput instead (`at_target_rows`).
+
+SLO goodput is measured as the paper measures it, by simulation: every plan of the default, scarce, below and
 imbalanced experiments is run on the scenario's held-out workload (seed `HELD_OUT_SEED` of the held-out part of
 each trace, the scenario's run length; the planner sizes demand on seed 0 of the tuning part) and scored by the
 generated tokens/s of requests that met both SLOs, beside the planned share of demand served. Prices, instance
@@ -15,12 +20,13 @@ Every experiment returns an `ExperimentResult` (rows of a table) and writes `<ou
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -32,21 +38,31 @@ from coral.allocation.allocator import (
     estimated_nodes,
     resolve_availability,
 )
-from coral.allocation.availability import headroom_availability
+from coral.allocation.availability import headroom_availability, market_availability
 from coral.allocation.demand import TUNING_SEED, DemandKey, run_length_s, scenario_demand
 from coral.allocation.plan import Plan
-from coral.catalog.loader import Catalog, builtin_catalog, scenario_and_market
-from coral.catalog.schema import Scenario
+from coral.catalog.loader import (
+    Catalog,
+    CoralInputError,
+    builtin_catalog,
+    data_path,
+    scenario_and_market,
+)
+from coral.catalog.schema import Scenario, parse_config_name
 from coral.experiments.paper import paper_setting, waterfall_settings
 from coral.templates.library import TemplateLibrary
 from coral.templates.store import load_library
 from coral.workload.traces import RequestSet, thinned, workload_for
 
-SCARCE_FACTORS = (0.5, 0.8, 1.25, 1.75)  # < 1: below the estimate; demand may not be met
+if TYPE_CHECKING:
+    from coral.planning import SearchSettings
+
+BELOW_FACTORS = (0.5, 0.8)  # availability below the estimate: demand cannot be met
 EPOCH_SEED = 7
 #: seed of the workload plans are scored on, read from the held-out part of each trace (`workload_for(...,
 #: part="held_out")`): the planner, which sizes on the tuning part, never sees its requests
 HELD_OUT_SEED = TUNING_SEED + 1
+Progress = Callable[[str], None]
 
 
 @dataclass
@@ -214,19 +230,173 @@ def _judged_notes(judge: Judge | None) -> list[str]:
             "serves more within SLO); attainment = share of all offered requests served within SLO"]
 
 
-def exp_scarce(inputs: Inputs, judge: Judge | None, time_limit: float = 30.0) -> ExperimentResult:
-    """Scarce availability: 25% and 75% above the estimated demand (the paper's core and extended settings;
-    availability module doc), and 20% / 50% below it (when demand cannot be met, Coral runs the goodput, max-min
-    and scaled modes)."""
+#: the scarce experiment's markets per scenario (offerings files with node counts, `coral/data/markets/`): of
+#: our own making, shaped like the paper's §6.4 (its best GPU types few per region, the weaker ones limited too),
+#: independent of any method's plan; the first of each scenario is the tighter
+SCARCE_MARKETS = {"core": ("core-scarce", "core-scarce-loose"), "extended": ("extended-scarce",)}
+#: the planners an at-target experiment searches with (`coral.planning.search_plan`)
+PLANNERS: dict[str, Callable[..., Plan]] = {"coral": allocate, "homo-ilp": baselines.homo_ilp,
+                                            "homo-greedy": baselines.homo_greedy,
+                                            "cauchy-paper": baselines.cauchy_paper}
+
+
+def market_file(name: str) -> Path:
+    """A shipped market (`SCARCE_MARKETS`): an offerings file whose every offering carries its node count."""
+    return data_path("markets", f"{name}.yaml")
+
+
+def most_goodput(method: str, lib: TemplateLibrary, sc: Scenario, avail: dict[str, dict[str, int]] | str,
+                 catalog: Catalog, time_limit: float) -> Plan:
+    """The method's plan when it cannot meet the targets: goodput mode for Coral and homo-ilp (the most SLO
+    goodput, then cost), the baselines' own rule otherwise (what fits; baselines module doc), at the
+    scenario's demand (the percentile rule)."""
+    common: dict[str, Any] = {"availability": avail, "catalog": catalog}
+    if method == "coral":
+        return allocate(lib, sc, mode="goodput", time_limit=time_limit, **common)
+    if method == "homo-ilp":
+        return baselines.homo_ilp(lib, sc, mode="goodput", time_limit=time_limit, **common)
+    return PLANNERS[method](lib, sc, **common)
+
+
+def _mixed_gpu_share(plan: Plan) -> float:
+    """Share of the plan's GPUs that sit in instances mixing GPU types."""
+    def gpus(i: Any) -> int:
+        return sum(n * parse_config_name(c)[1] for c, n in i.counts.items())
+
+    total = sum(gpus(i) for i in plan.instances)
+    return sum(gpus(i) for i in plan.instances if i.heterogeneous) / total if total else 0.0
+
+
+def at_target_rows(setting: str, lib: TemplateLibrary, sc: Scenario, avail: dict[str, dict[str, int]] | str,
+                   catalog: Catalog, judge: Judge, time_limit: float, progress: Progress | None = None,
+                   settings: SearchSettings | None = None) -> list[dict[str, Any]]:
+    """One row per method at equal attainment: the cheapest plan its search finds that meets every model's
+    target on the tuning requests (`coral.planning.search_plan`, the same deterministic search for every method;
+    Coral's also runs homo-ilp's rounds, so it is never dearer), or, where the market cannot hold one, its
+    most-goodput plan (`most_goodput`); each scored by the `judge` on held-out requests. `settings`: the search's
+    (default: its own defaults, as `coral run`)."""
+    from coral.planning import SearchSettings, allocator_planner, search_plan
+    from coral.planning.slo_search import simulator_evaluator
+
+    settings = settings or SearchSettings()
+    # one evaluator for every method: a plan two searches share is simulated once
+    evaluate = simulator_evaluator(sc, run_length_s(sc), catalog, settings.held_out_seeds)
+    rows: list[dict[str, Any]] = []
+    for method, fn in PLANNERS.items():
+        say = (lambda line, m=method: progress(f"{setting}, {m}: {line}")) if progress else None
+        t0 = time.perf_counter()
+        subset = allocator_planner(lib, sc, avail, catalog, baselines.homo_ilp) if method == "coral" else None
+        res = search_plan(allocator_planner(lib, sc, avail, catalog, fn), sc, settings, catalog=catalog,
+                          evaluate=evaluate, progress=say, subset=subset)
+        at_target = res.plan is not None and res.tuned_passed
+        plan = res.plan if at_target and res.plan is not None else most_goodput(method, lib, sc, avail, catalog,
+                                                                                time_limit)
+        rows.append({"setting": setting, "method": method, "planned": "at target" if at_target else "goodput mode",
+                     "cost_per_hour": round(plan.cost_per_hour, 4), "met": at_target and res.met,
+                     "served": round(_served(plan), 4), "instances": len(plan.instances),
+                     "heterogeneous": sum(i.heterogeneous for i in plan.instances),
+                     "mixed_gpus": round(_mixed_gpu_share(plan), 4), "rounds": len(res.rounds),
+                     "safety_net": res.safety_net, "search_s": round(time.perf_counter() - t0, 1),
+                     **judge(plan, sc, catalog)})
+    coral = rows[0]
+    for r in rows:
+        r["ratio"] = round(r["cost_per_hour"] / coral["cost_per_hour"], 4) if coral["cost_per_hour"] else None
+        r["goodput_x"] = round(coral["sim_goodput"] / r["sim_goodput"], 4) if r["sim_goodput"] > 0 else None
+    return rows
+
+
+AT_TARGET_COLUMNS = ["setting", "method", "planned", "cost_per_hour", "ratio", "sim_goodput", "goodput_share",
+                     "goodput_x", "attainment", "least_attainment", "met", "served", "instances", "heterogeneous",
+                     "mixed_gpus", "rounds", "search_s"]
+
+
+def _where_from(rows: list[dict[str, Any]]) -> list[str]:
+    """Coral's lead split in two, per setting: heterogeneity (homo-ilp -> coral: the same ILP and search with
+    heterogeneous templates added) and cross-model coordination (homo-greedy -> homo-ilp: one ILP over every
+    model instead of a per-model greedy choice)."""
+    def step(a: dict[str, Any], b: dict[str, Any]) -> str:
+        return (f"goodput x{b['sim_goodput'] / a['sim_goodput']:.2f}, $/h x{b['cost_per_hour'] / a['cost_per_hour']:.2f}"
+                if a["sim_goodput"] > 0 and a["cost_per_hour"] > 0 else "n/a")
+
+    out = []
+    for setting in dict.fromkeys(r["setting"] for r in rows):
+        by = {r["method"]: r for r in rows if r["setting"] == setting}
+        out.append(f"{setting}: heterogeneity (homo-ilp -> coral) {step(by['homo-ilp'], by['coral'])}; coordination "
+                   f"(homo-greedy -> homo-ilp) {step(by['homo-greedy'], by['homo-ilp'])}; Coral's GPUs in mixed "
+                   f"instances {by['coral']['mixed_gpus']:.0%}")
+    return out
+
+
+def _at_target_notes(judge: Judge) -> list[str]:
+    return ["planned: 'at target' = the cheapest plan its search found meeting every model's target on the tuning "
+            "requests; 'goodput mode' = the market holds none, so the most SLO goodput it can plan (homo-greedy, "
+            "cauchy-paper: what fits)",
+            "met = every model meets its target on the held-out requests too; ratio = $/h / Coral's; mixed_gpus = "
+            "share of the plan's GPUs in instances mixing GPU types", *_judged_notes(judge)]
+
+
+def _scenarios(scenario: str | None, known: tuple[str, ...]) -> tuple[str, ...]:
+    if scenario is None:
+        return known
+    if scenario not in known:
+        raise CoralInputError(f"scenario {scenario!r}: this experiment runs on {' or '.join(known)}")
+    return (scenario,)
+
+
+def _named(name: str, scenario: str | None) -> str:
+    return f"{name}-{scenario}" if scenario else name
+
+
+def _market_words(market: str) -> str:
+    """The market file's own description (its first line: '# <name>: <description>')."""
+    first = market_file(market).read_text().splitlines()[0]
+    return first.split(": ", 1)[-1].rstrip(".")
+
+
+def _needs_judge(name: str, judge: Judge | None) -> Judge:
+    if judge is None:
+        raise CoralInputError(f"experiment {name!r} plans at equal attainment, which needs the simulator")
+    return judge
+
+
+def exp_scarce(inputs: Inputs, judge: Judge | None, time_limit: float = 30.0, scenario: str | None = None,
+               progress: Progress | None = None) -> ExperimentResult:
+    """Scarce availability in the paper's sense (§6.4): markets whose best GPU types are few per region and whose
+    weaker types are limited too (`SCARCE_MARKETS`, independent of any method's plan; or the offerings file the
+    `inputs` were given, with its counts). Every method plans at
+    equal attainment where the market holds a plan meeting its targets, in goodput mode where it does not
+    (`at_target_rows`); SLO goodput on held-out requests."""
+    judge = _needs_judge("scarce", judge)
+    rows = []
+    names = _scenarios(scenario, tuple(SCARCE_MARKETS))
+    for name in names:
+        # `--offerings FILE` is the market (its counts) instead of the shipped ones
+        files = [inputs.offerings] if inputs.offerings else [market_file(m) for m in SCARCE_MARKETS[name]]
+        for path in files:
+            sc, cat = scenario_and_market(name, path)
+            lib = inputs(name)[2]
+            label = path.stem if len(names) == 1 or path.stem.startswith(name) else f"{name} {path.stem}"
+            rows += at_target_rows(label, lib, sc, market_availability(sc, cat), cat, judge, time_limit, progress)
+    return ExperimentResult(_named("scarce", scenario),
+                            "Scarce markets: every method at equal attainment, or its most goodput",
+                            AT_TARGET_COLUMNS, rows,
+                            notes=[(f"market: {inputs.offerings} (--offerings)" if inputs.offerings else
+                                    "markets (coral/data/markets/): " + "; ".join(
+                                        f"{m}: {_market_words(m)}" for n in names for m in SCARCE_MARKETS[n])),
+                                   *_at_target_notes(judge), *_where_from(rows)])
+
+
+def exp_below(inputs: Inputs, judge: Judge | None, time_limit: float = 30.0) -> ExperimentResult:
+    """Availability below the estimate (the headroom rule at 0.5x and 0.8x Coral's unlimited plan's nodes): demand
+    cannot be met, so Coral runs the goodput, max-min and scaled modes beside the baselines."""
     rows = []
     for name in ("core", "extended"):
         sc, cat, lib = inputs(name)
-        for f in SCARCE_FACTORS:
+        for f in BELOW_FACTORS:
             rows += _compare(f"{name} x{f:g}", lib, sc, _availability(sc, lib, f, cat), time_limit, cat, judge)
-    return ExperimentResult("scarce", "Scarce availability: cost and goodput", _columns(judge), rows,
+    return ExperimentResult("below", "Availability below the estimate: cost and goodput", _columns(judge), rows,
                             notes=["availability = ceil(factor × E_c / |R_c|), E_c the nodes of Coral's unlimited "
-                                   "plan; the paper's scarce settings are core x1.25 and extended x1.75",
-                                   *_judged_notes(judge)])
+                                   "plan", *_judged_notes(judge)])
 
 
 def _by_size(sc: Scenario) -> list[str]:
@@ -250,14 +420,6 @@ def with_rates(sc: Scenario, rates: dict[str, float], label: str) -> Scenario:
         m.model_copy(update={"request_rate": rates[m.model]}) for m in sc.models]})
 
 
-def imbalanced_rates(sc: Scenario, large_heavy: bool) -> dict[str, float]:
-    """Ours: rates ×2 for the larger half of the models (by parameters) and ×0.5 for the rest, or the reverse."""
-    ranked = _by_size(sc)
-    large = set(ranked[len(ranked) // 2:])
-    return {m.model: m.request_rate * ((2.0 if m.model in large else 0.5) if large_heavy
-                                       else (0.5 if m.model in large else 2.0)) for m in sc.models}
-
-
 def paper_imbalanced_rates(sc: Scenario, large_heavy: bool, heavy_share: float = 0.8) -> dict[str, float]:
     """The paper's (§6.5): the scenario's total request rate, `heavy_share` of it split equally over the largest
     (or smallest) third of the models, the rest split equally over the others."""
@@ -270,24 +432,26 @@ def paper_imbalanced_rates(sc: Scenario, large_heavy: bool, heavy_share: float =
             for sm in sc.models}
 
 
-def exp_imbalanced(inputs: Inputs, judge: Judge | None, time_limit: float = 30.0) -> ExperimentResult:
-    """Imbalanced demand on core and extended: the paper's definition (80 % of the requests on the largest or
-    smallest third of the models) and ours (×2 / ×0.5 by model size), large-heavy and small-heavy. Each setting
-    is a scenario of its own (its rates, and so its traffic, headroom and held-out workload); availability is
-    the headroom rule at 3× that scenario's estimate."""
+def exp_imbalanced(inputs: Inputs, judge: Judge | None, time_limit: float = 30.0, scenario: str | None = None,
+                   progress: Progress | None = None) -> ExperimentResult:
+    """Imbalanced demand as the paper defines it (§6.5: 80 % of the requests on the largest or the smallest third of
+    the models), large-heavy and small-heavy, on core and extended (or `scenario`) in each scenario's own market
+    (the paper's default availability: every method can fit): every method at equal attainment
+    (`at_target_rows`)."""
+    judge = _needs_judge("imbalanced", judge)
     rows = []
-    for name in ("core", "extended"):
+    for name in _scenarios(scenario, ("core", "extended")):
         base, cat, lib = inputs(name)
-        for label, rates in (("paper", paper_imbalanced_rates), ("x2/x0.5", imbalanced_rates)):
-            for heavy in (True, False):
-                setting = f"{label} {'large' if heavy else 'small'}-heavy"
-                sc = with_rates(base, rates(base, heavy), setting)
-                rows += _compare(f"{name} {setting}", lib, sc, _availability(sc, lib, 3.0, cat), time_limit,
-                                 cat, judge)
-    return ExperimentResult("imbalanced", "Imbalanced demand (core and extended)", _columns(judge), rows,
-                            notes=["paper: 80 % of requests on the largest / smallest third of the models; "
-                                   "x2/x0.5: rates doubled for the larger (smaller) half, halved for the rest",
-                                   *_judged_notes(judge)])
+        for heavy in (True, False):
+            setting = f"{name} {'large' if heavy else 'small'}-heavy"
+            sc = with_rates(base, paper_imbalanced_rates(base, heavy), setting.split(" ", 1)[1])
+            rows += at_target_rows(setting, lib, sc, resolve_availability(sc, lib, cat), cat, judge, time_limit,
+                                   progress)
+    return ExperimentResult(_named("imbalanced", scenario), "Imbalanced demand: every method at equal attainment",
+                            AT_TARGET_COLUMNS, rows,
+                            notes=["80 % of the total request rate on the largest (large-heavy) or smallest "
+                                   "(small-heavy) third of the models by parameters, the rest shared equally",
+                                   *_at_target_notes(judge), *_where_from(rows)])
 
 
 def _churn(prev: Plan | None, new: Plan) -> tuple[int, int]:
@@ -372,6 +536,7 @@ def exp_waterfall(inputs: Inputs, judge: Judge | None, time_limit: float = 30.0,
 EXPERIMENTS: dict[str, Callable[..., ExperimentResult]] = {
     "default": exp_default,
     "scarce": exp_scarce,
+    "below": exp_below,
     "imbalanced": exp_imbalanced,
     "epochs": exp_epochs,
     "waterfall": exp_waterfall,
@@ -410,11 +575,14 @@ def _plot(result: ExperimentResult, path: Path) -> None:
         settings = list(dict.fromkeys(r["setting"] for r in result.rows))
         methods = list(dict.fromkeys(r["method"] for r in result.rows))
         width = 0.8 / max(len(methods), 1)
+        # at equal attainment the second panel is SLO goodput; otherwise the planned share of demand served
+        second, label2 = (("sim_goodput", "SLO goodput, tokens/s (held-out)") if "planned" in result.columns
+                          else ("served", "served fraction of demand"))
         for i, m in enumerate(methods):
             xs = [settings.index(r["setting"]) + i * width for r in result.rows if r["method"] == m]
             axes[0].bar(xs, [r["cost_per_hour"] for r in result.rows if r["method"] == m], width, label=m)
-            axes[1].bar(xs, [r["served"] for r in result.rows if r["method"] == m], width, label=m)
-        for ax, label in ((axes[0], "$/h"), (axes[1], "served fraction of demand")):
+            axes[1].bar(xs, [r[second] for r in result.rows if r["method"] == m], width, label=m)
+        for ax, label in ((axes[0], "$/h"), (axes[1], label2)):
             ax.set_xticks(np.arange(len(settings)) + 0.4 - width / 2, settings, rotation=15)
             ax.set_ylabel(label)
         axes[0].legend()
@@ -424,16 +592,23 @@ def _plot(result: ExperimentResult, path: Path) -> None:
     plt.close(fig)
 
 
+def takes(name: str, option: str) -> bool:
+    """Whether experiment `name` takes `option` (e.g. "scenario", "progress")."""
+    return option in inspect.signature(EXPERIMENTS[name]).parameters
+
+
 def run_experiment(name: str, out: Path = Path("out"), time_limit: float = 30.0, *, offerings: Path | None = None,
-                   simulate: bool = True, **options: Any) -> ExperimentResult:
+                   simulate: bool = True, progress: Progress | None = None, **options: Any) -> ExperimentResult:
     """Run one experiment and write its JSON and PNG under `out/experiments/` (`offerings`: the market file;
-    `simulate`: measure SLO goodput by simulation; `options`: e.g. scenario= for epochs)."""
-    from coral.catalog.loader import CoralInputError
+    `simulate`: measure SLO goodput by simulation; `progress`: told each search round, where the experiment
+    searches; `options`: e.g. scenario= for epochs)."""
     from coral.catalog.suggest import did_you_mean
 
     if name not in EXPERIMENTS:
         raise CoralInputError(f"experiment {name!r}: unknown{did_you_mean(name, EXPERIMENTS)}; known: "
                               f"{', '.join(EXPERIMENTS)}")
+    if progress is not None and takes(name, "progress"):
+        options["progress"] = progress
     result = EXPERIMENTS[name](Inputs(out, offerings), Judge() if simulate else None, time_limit=time_limit,
                                **options)
     folder = out / "experiments"
