@@ -191,14 +191,17 @@ def test_scarce_markets_limit_the_best_gpus_as_their_files_say_and_every_offerin
     and the market's availability is those counts: core-scarce holds 2 one-GPU L40S nodes per region and no
     larger L40S node, beside 48 GPUs each of L4 and A10G."""
     from coral.allocation.availability import market_availability
-    from coral.catalog.loader import load_offerings, scenario_and_market
+    from coral.catalog.loader import builtin_catalog, load_offerings, scenario_and_market
     from coral.catalog.schema import parse_config_name
     from coral.experiments.allocation import SCARCE_MARKETS, market_file
 
+    shipped = {(o.region, o.instance_type): o for o in builtin_catalog().offerings}
     for scenario, markets in SCARCE_MARKETS.items():
         for market in markets:
             cat = load_offerings(market_file(market))
             assert cat.offerings and all(o.available is not None for o in cat.offerings), market
+            for o in cat.offerings:  # the shipped rows, counts added: a price change there must reach these files
+                assert o.model_copy(update={"available": None}) == shipped[(o.region, o.instance_type)], o
             sc, _ = scenario_and_market(scenario, market_file(market))
             assert {o.region for o in cat.offerings} == set(sc.regions)
     sc, cat = scenario_and_market("core", market_file("core-scarce"))
