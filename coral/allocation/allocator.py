@@ -96,8 +96,8 @@ def _coverage(ctx: _Context, weights: np.ndarray, time_limit: float) -> _Coverag
     Σ w_m y_m) warm-started from it, over the columns of least node footprint (`_footprints`: an instance
     is an instance here) and the water-filling plan's. Only instances serving every class of their key count
     (T_j > 0). Every served fraction can be above 0 (the max-min t > 0) only when every model is covered; when
-    the MIP proves fewer, t = 0 is the optimum, and its plan names the models the goodput stage keeps above 0.
-    `time_limit`: its safety net."""
+    the MIP proves fewer, t = 0 is the optimum, and its plan names the models the goodput stage keeps above 0
+    (among sets of equal weight, the one asking the most generated tokens/s). `time_limit`: its safety net."""
     cols, pos = ctx.cols, ctx.demand > 0
     wf = core.water_fill(cols, ctx.market, ctx.demand * weights)
     useful = cols.throughput > 0
@@ -128,7 +128,13 @@ def _coverage(ctx: _Context, weights: np.ndarray, time_limit: float) -> _Coverag
             rows.add(js, cols.counts[sel[js], c].astype(float), -np.inf, float(ctx.market.avail[r, c]))
     w_m = np.zeros(n_m)
     np.maximum.at(w_m, group[pos], weights[pos])
-    cost = np.concatenate([np.zeros(n), -w_m])
+    # among sets of models of equal weight, the one of most weighted tokens/s asked (the goodput stage then serves
+    # them: covering a small model instead of a large one would give up goodput for no fairness): a tie-break
+    # worth under 1e-3 of the least model weight in all
+    asked = np.zeros(n_m)
+    np.add.at(asked, group[pos], (ctx.demand * weights * _generated(ctx))[pos])
+    bonus = 1e-3 * w_m[w_m > 0].min(initial=1.0) * asked / max(float(asked.sum()), 1e-12)
+    cost = np.concatenate([np.zeros(n), -(w_m + bonus)])
     start = np.concatenate([np.minimum(wf[sel], 1.0), model_ok])
     res = milp.solve(cost, np.zeros(n + n_m), np.concatenate([np.minimum(cols.upper[sel], 1.0), np.ones(n_m)]),
                      np.ones(n + n_m, dtype=bool), rows, time_limit=time_limit, gap=0.0, start=start)
@@ -142,6 +148,12 @@ def _coverage(ctx: _Context, weights: np.ndarray, time_limit: float) -> _Coverag
     covered = y[group] | ~pos
     return _Coverage(core.water_fill(cols, ctx.market, ctx.demand * weights, base=x), covered, share * covered, proven,
                      words)
+
+
+def _generated(ctx: _Context) -> np.ndarray:
+    """Per key, whether its tokens are what the goodput counts: decode, or prefill for a model with no decode."""
+    decoding = {m for (m, p), d in zip(ctx.keys, ctx.demand, strict=True) if p == Phase.DECODE and d > 0}
+    return np.array([p == Phase.DECODE or m not in decoding for m, p in ctx.keys])
 
 
 def _footprints(cols: core.Columns, n_regions: int, useful: np.ndarray) -> np.ndarray:
@@ -312,8 +324,7 @@ def _solve_served(ctx: _Context, objective: Literal["maxmin", "goodput"], weight
     unless the LP's row `duals` are wanted (to name what binds). When `_coverage` proved t = 0, the max-min
     problem is not solved: its best start is optimal."""
     _models, group = ctx.model_group
-    decoding = {m for (m, p), d in zip(ctx.keys, ctx.demand, strict=True) if p == Phase.DECODE and d > 0}
-    counts = np.array([p == Phase.DECODE or m not in decoding for m, p in ctx.keys])  # prompts where none decode
+    counts = _generated(ctx)  # prompts where none decode
     gain = weights * ctx.demand * counts / max(float((ctx.demand * counts).sum()), 1e-12)
     problem, layout = core.assemble(ctx.cols, ctx.market, ctx.demand, penalty_k=None, objective=objective,
                                     weights=weights, min_fraction=floor, served_group=group, gain=gain)
