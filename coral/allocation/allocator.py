@@ -515,35 +515,35 @@ def allocate(
         return max(STAGE_S, (deadline - time.perf_counter()) / stages)
 
     ones = np.ones(len(ctx.demand))
+    stages: dict[str, solver.Outcome] = {}
+    notes: list[str] = []
+    spent = 0.0
     if mode == "cost":
         cost = _solve_cost(ctx, 1.0, None, left(), gap)
         if cost.out.x is not None:
             return _plan(ctx, cost.out, cost.layout, "cost", _report(ctx, cost.out), method)
-        # a limit stopped the cost stage before any plan: the max-min stage decides whether demand can be met, and
-        # its plan, when it serves every key in full, is a plan (the cost stage again, from it, may improve it)
-        mm = _solve_served(ctx, "maxmin", ones, None, left(2), gap, duals=True)
-        if mm.out.x is None or not (mm.served >= 1 - 1e-9).all():
-            raise _explain(ctx, mm, ones, left(), gap)
-        again = _solve_cost(ctx, 1.0, None, left(), gap, prev=mm)
-        best = again if again.out.x is not None else mm
-        notes = [f"cost stage found no plan ({cost.out.status}): the max-min stage's plan, which serves all demand, "
-                 f"{'was its warm start' if best is again else 'is kept'}"]
-        return _plan(ctx, best.out, best.layout, "cost", _report(ctx, best.out, cost.out.time_s + mm.out.time_s,
-                                                                  notes, {"cost (first)": cost.out,
-                                                                          "max-min": mm.out}), method)
-    weights = ones if mode == "scaled" else ctx.weights
+        # a limit stopped it before any plan: the stages below decide, the max-min stage whether demand can be
+        # met (when it serves every key in full, its plan is one), then the cost stage again, from that plan
+        stages["cost (first)"], spent = cost.out, cost.out.time_s
+        notes.append(f"cost stage found no plan ({cost.out.status}): the max-min stage, then the cost stage from "
+                     "its plan")
+    weights = ones if mode in ("scaled", "cost") else ctx.weights
     to_come = 3 if mode == "goodput" else 2  # max-min, goodput, cost
     ctx.cover = _coverage(ctx, weights, left(to_come + 1))
     mm = _solve_served(ctx, "maxmin", weights, None, left(to_come), gap)
     t, t_max = _uniform(ctx, mm, weights), _t_bound(ctx, mm)
-    stages = {"stage 1 (max-min)": mm.out}
-    notes = [] if ctx.cover.x is None else [f"coverage: {ctx.cover.words}"]
+    stages["stage 1 (max-min)"] = mm.out
+    if ctx.cover.x is not None:
+        notes.append(f"coverage: {ctx.cover.words}")
     notes.append(f"stage 1 (max-min served fraction): t = {t:.6g} (proven t ≤ "
                  f"{'(no bound proven)' if t_max is None else f'{t_max:.6g}'}), {mm.out.status}, {mm.out.time_s:.3f} s")
-    source, scale, spent = mm, 1.0, mm.out.time_s
+    source, scale = mm, 1.0
+    spent += mm.out.time_s
     if (mm.served >= 1 - 1e-9).all():
         fraction: float | np.ndarray = 1.0
         cost_weights = None
+    elif mode == "cost":
+        raise _explain(ctx, mm, weights, left(), gap)
     elif mode == "scaled":
         scale = math.floor(t / scale_step + 1e-9) * scale_step
         if scale <= 0:
