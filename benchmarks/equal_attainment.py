@@ -42,7 +42,7 @@ from coral.allocation.plan import Plan
 from coral.catalog.loader import load_scenario, market_catalog
 from coral.catalog.schema import Scenario, TargetUtilization
 from coral.experiments.allocation import paper_imbalanced_rates, with_rates
-from coral.planning import SearchSettings, allocator_planner, search_plan
+from coral.planning import SearchSettings, allocator_planner, homogeneous_subset, search_plan
 from coral.planning.slo_search import Evaluator, simulator_evaluator
 from coral.simulation.run import simulate
 from coral.templates.store import load_library
@@ -194,8 +194,7 @@ def main() -> None:
                 evaluate = simulator_evaluator(sc, run_length_s(sc), held_out_seeds=settings.held_out_seeds)
                 for method in args.method:
                     planner = allocator_planner(lib, sc, avail, method=METHODS[method])
-                    # Coral's search first runs the homogeneous ILP's own rounds (never dearer than its result)
-                    subset = allocator_planner(lib, sc, avail, method=baselines.homo_ilp) if method == "coral" else None
+                    subset = homogeneous_subset(lib, sc, avail, None, METHODS[method])
                     row, plan_of_row = search_row(name, setting, sc, method, planner, settings, evaluate, subset)
                     rows.append(row)
                     if plan_of_row is not None:

@@ -98,7 +98,7 @@ def run_cmd(
     from coral.allocation.demand import run_length_s
     from coral.allocation.forecast import DemandForecaster, LatencyCorrection
     from coral.perf.model import Phase
-    from coral.planning import SearchSettings, allocator_planner, search_plan
+    from coral.planning import SearchSettings, allocator_planner, homogeneous_subset, search_plan
     from coral.planning.slo_search import score, simulator_evaluator, with_traffic
     from coral.report import build_report
     from coral.report.adapters import inputs_from_sim, method_result
@@ -139,10 +139,9 @@ def run_cmd(
             continue
         with console.status(f"{name}: searching for the cheapest plan meeting every SLO target") as status:
             watch = SearchStatus(name, status, console, evaluate)
-            # Coral's search first runs the homogeneous ILP's own rounds: its plan is never dearer than that one's
-            subset = allocator_planner(lib, sc, avail, cat, method=base.homo_ilp) if name == "coral" else None
             result = search_plan(allocator_planner(lib, sc, avail, cat, method=method), sc, settings,
-                                 catalog=cat, evaluate=watch.evaluate, progress=watch.show, subset=subset)
+                                 catalog=cat, evaluate=watch.evaluate, progress=watch.show,
+                                 subset=homogeneous_subset(lib, sc, avail, cat, method))
         if result.plan is None:
             raise CoralInputError(f"{name}: no plan in any round of the search: "
                                   + "; ".join(r.note for r in result.rounds if r.note))

@@ -275,7 +275,7 @@ def at_target_rows(setting: str, lib: TemplateLibrary, sc: Scenario, avail: dict
     Coral's also runs homo-ilp's rounds, so it is never dearer), or, where the market cannot hold one, its
     most-goodput plan (`most_goodput`); each scored by the `judge` on held-out requests. `settings`: the search's
     (default: its own defaults, as `coral run`)."""
-    from coral.planning import SearchSettings, allocator_planner, search_plan
+    from coral.planning import SearchSettings, allocator_planner, homogeneous_subset, search_plan
     from coral.planning.slo_search import simulator_evaluator
 
     settings = settings or SearchSettings()
@@ -285,9 +285,8 @@ def at_target_rows(setting: str, lib: TemplateLibrary, sc: Scenario, avail: dict
     for method, fn in PLANNERS.items():
         say = (lambda line, m=method: progress(f"{setting}, {m}: {line}")) if progress else None
         t0 = time.perf_counter()
-        subset = allocator_planner(lib, sc, avail, catalog, baselines.homo_ilp) if method == "coral" else None
         res = search_plan(allocator_planner(lib, sc, avail, catalog, fn), sc, settings, catalog=catalog,
-                          evaluate=evaluate, progress=say, subset=subset)
+                          evaluate=evaluate, progress=say, subset=homogeneous_subset(lib, sc, avail, catalog, fn))
         at_target = res.plan is not None and res.tuned_passed
         plan = res.plan if at_target and res.plan is not None else most_goodput(method, lib, sc, avail, catalog,
                                                                                 time_limit)
@@ -370,11 +369,11 @@ def exp_scarce(inputs: Inputs, judge: Judge | None, time_limit: float = 30.0, sc
     rows = []
     names = _scenarios(scenario, tuple(SCARCE_MARKETS))
     for name in names:
+        lib = inputs(name)[2]
         # `--offerings FILE` is the market (its counts) instead of the shipped ones
         files = [inputs.offerings] if inputs.offerings else [market_file(m) for m in SCARCE_MARKETS[name]]
         for path in files:
             sc, cat = scenario_and_market(name, path)
-            lib = inputs(name)[2]
             label = path.stem if len(names) == 1 or path.stem.startswith(name) else f"{name} {path.stem}"
             rows += at_target_rows(label, lib, sc, market_availability(sc, cat), cat, judge, time_limit, progress)
     return ExperimentResult(_named("scarce", scenario),

@@ -1,6 +1,12 @@
 """SLO-true planning: the allocator with the simulator in the loop, so that a plan is the cheapest one found that
 meets every model's SLO-attainment target on real traffic, checked on requests it was not tuned on."""
 
-from coral.planning.slo_search import SearchResult, SearchSettings, allocator_planner, search_plan
+from coral.planning.slo_search import (
+    SearchResult,
+    SearchSettings,
+    allocator_planner,
+    homogeneous_subset,
+    search_plan,
+)
 
-__all__ = ["SearchResult", "SearchSettings", "allocator_planner", "search_plan"]
+__all__ = ["SearchResult", "SearchSettings", "allocator_planner", "homogeneous_subset", "search_plan"]

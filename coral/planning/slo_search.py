@@ -53,6 +53,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import astuple, dataclass, field
 
 from coral.allocation.allocator import InfeasibleDemand, allocate
+from coral.allocation.baselines import homo_ilp
 from coral.allocation.core import Availability
 from coral.allocation.demand import TUNING_SEED, DemandKey, headroom, run_length_s, scenario_traffic
 from coral.allocation.plan import Plan, SloCheck
@@ -165,6 +166,13 @@ def allocator_planner(library: TemplateLibrary, scenario: Scenario, availability
                       catalog: Catalog | None = None, method: Callable[..., Plan] = allocate) -> Planner:
     """demand -> plan with `method` (the allocator, or a baseline with the same keyword interface)."""
     return lambda demand: method(library, scenario, demand=demand, availability=availability, catalog=catalog)
+
+
+def homogeneous_subset(library: TemplateLibrary, scenario: Scenario, availability: Availability | str | None,
+                       catalog: Catalog | None, method: Callable[..., Plan]) -> Planner | None:
+    """The `subset` planner of `search_plan` for `method`: the homogeneous ILP when `method` is Coral's allocator
+    (its search first runs that one's rounds, so its plan is never dearer), None for any other method."""
+    return allocator_planner(library, scenario, availability, catalog, homo_ilp) if method is allocate else None
 
 
 def simulator_evaluator(scenario: Scenario, duration_s: float, catalog: Catalog | None = None,
