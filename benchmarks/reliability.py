@@ -1,8 +1,8 @@
 """Reliability of the gateway, the controller and the input files, measured: fuzzing, load and injected faults.
 
-Everything runs on loopback, bounded in count and time. Engines are emulated with the perf model's latency at
-time scale 1 (roofline step times of phi-4 and llama-3-8b on one L40S: ~45 ms to the first token, ~40 ms between
-tokens), and the load-bearing cases run a mix of 200 concurrent clients (streamed and non-streamed, two models,
+Everything runs on loopback, bounded in count and time. Engines are emulated as the simulator times them at
+time scale 1 (the node kernels of phi-4 and llama-3-8b on one L40S, llama-3-8b at phi-4's SLOs in core: ~42 / ~23 ms
+to the first token of a short prompt and between tokens, at most 25 / 98 sequences decoding per engine), and the load-bearing cases run a mix of 200 concurrent clients (streamed and non-streamed, two models,
 one of them prefill/decode-disaggregated). Each request or check ends in one outcome, counted strictly:
 
 - ok: a complete answer (a JSON completion, or a stream ending with `data: [DONE]`) or a passed check;
@@ -49,15 +49,18 @@ from pydantic import ValidationError
 from rich.table import Table
 
 from coral.allocation.plan import Plan, PlanInstance
-from coral.catalog.loader import CoralInputError, data_path, load_scenario
+from coral.catalog.loader import CoralInputError, builtin_catalog, data_path, load_scenario
+from coral.catalog.schema import Scenario
 from coral.deploy.endpoints import EndpointsFile, EndpointSpec
 from coral.http_serving import ServerThread, free_port
+from coral.perf.roofline import RooflineModel
 from coral.runtime.backends import EmulatedBackend
 from coral.runtime.controller import Controller, Store, controller_router
 from coral.runtime.emulated import EngineTiming, create_engine_app, instance_engine_app
 from coral.runtime.gateway import GatewayConfig, create_gateway_app, load_secrets
 from coral.runtime.handmade import make_instance, make_plan
 from coral.runtime.registry import Endpoint, InstanceState, Registry
+from coral.simulation.kernels import KernelCache
 
 OUT = Path("out/benchmarks/reliability.json")
 ERROR_KEYS = {"message", "type", "param", "code"}
@@ -184,6 +187,17 @@ def fleet() -> list[PlanInstance]:
     return phi + llama
 
 
+def engine_scenario() -> Scenario:
+    """What times the emulated engines: core, with llama-3-8b served at phi-4's SLOs and request sizes."""
+    core = load_scenario("core")
+    phi = next(m for m in core.models if m.model == "phi-4")
+    return core.model_copy(update={"models": [*core.models, phi.model_copy(update={"model": "llama-3-8b"})]})
+
+
+def engine_kernels() -> KernelCache:
+    return KernelCache(engine_scenario(), builtin_catalog(), RooflineModel())
+
+
 VICTIM = fleet()[1].id
 """The phi-4 decode instance the fault cases kill or stall."""
 
@@ -243,12 +257,14 @@ class Stack:
         app = create_gateway_app(self.registry, config or GatewayConfig(), health_checks=True)
         self.gateway = ServerThread(app).start(startup_s())
         self.gw = app.state.gateway
+        kernels = engine_kernels()
         for inst in fleet():
             if inst.id in processes:
                 self.procs[inst.id], url = engine_process(inst)
                 self.registry.add(Endpoint(inst.id, inst.model, inst.phase, url, inst.throughput, InstanceState.READY))
             else:
-                self.add(inst.id, inst.model, inst.phase, instance_engine_app(inst, TIME_SCALE), inst.throughput)
+                self.add(inst.id, inst.model, inst.phase, instance_engine_app(inst, TIME_SCALE, kernels),
+                         inst.throughput)
 
     def add(self, iid: str, model: str, phase: str, app: Any, weight: float = 1.0) -> None:
         srv = self.engines[iid] = ServerThread(app).start(startup_s())
@@ -282,8 +298,13 @@ def stack(**kw: Any) -> Iterator[Stack]:
 ENGINE_PROCESS = (
     "import sys, uvicorn\n"
     "from coral.allocation.plan import PlanInstance\n"
+    "from coral.catalog.loader import builtin_catalog\n"
+    "from coral.catalog.schema import Scenario\n"
+    "from coral.perf.roofline import RooflineModel\n"
     "from coral.runtime.emulated import instance_engine_app\n"
-    "app = instance_engine_app(PlanInstance.model_validate_json(sys.argv[1]), float(sys.argv[3]))\n"
+    "from coral.simulation.kernels import KernelCache\n"
+    "kernels = KernelCache(Scenario.model_validate_json(sys.argv[4]), builtin_catalog(), RooflineModel())\n"
+    "app = instance_engine_app(PlanInstance.model_validate_json(sys.argv[1]), float(sys.argv[3]), kernels)\n"
     "uvicorn.run(app, host='127.0.0.1', port=int(sys.argv[2]), log_level='warning')\n"
 )
 
@@ -291,7 +312,8 @@ ENGINE_PROCESS = (
 def engine_process(inst: PlanInstance) -> tuple[subprocess.Popen[bytes], str]:
     """The emulated engine of `inst` in a process of its own, healthy; (process, URL)."""
     port = free_port()
-    cmd = [sys.executable, "-c", ENGINE_PROCESS, inst.model_dump_json(), str(port), str(TIME_SCALE)]
+    cmd = [sys.executable, "-c", ENGINE_PROCESS, inst.model_dump_json(), str(port), str(TIME_SCALE),
+           engine_scenario().model_dump_json()]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     if not poll(lambda: httpx.get(f"{url}/health", timeout=1).status_code == 200, startup_s()):
@@ -559,7 +581,7 @@ def fault_controller(db_fault: str | None) -> Case:
     }
     t = Case(f"fault: {name[db_fault]}", expects=("503 state_unwritable",) if db_fault == "readonly" else ())
     plan = make_plan(fleet())
-    backend = EmulatedBackend(time_scale=TIME_SCALE)
+    backend = EmulatedBackend(time_scale=TIME_SCALE, scenario=engine_scenario())
     registry = Registry()
     admin = {"Authorization": "bearer " + "x" * 16}  # the scheme in lower case
     with tempfile.TemporaryDirectory() as tmp:
@@ -783,11 +805,13 @@ def fault_serve_killed() -> Case:
         plan = make_plan([make_instance("phi-4", "decode", [(40, ["1xL40S"])], 500.0, index=k) for k in range(2)]
                          + [make_instance("llama-3-8b", "decode", [(32, ["1xL40S"])], 800.0, template_id=3)])
         plan_path = plan.save(Path(tmp) / "plan.json")
+        scenario = Path(tmp) / "scenario.yaml"  # the engines' scenario (it serves llama-3-8b too)
+        scenario.write_text(yaml.safe_dump(engine_scenario().model_dump(mode="json")))
         port = free_port()
         url = f"http://127.0.0.1:{port}"
 
         def start() -> subprocess.Popen[bytes]:
-            cmd = [sys.executable, "-m", "coral.cli.main", "serve", "core", "--plan", str(plan_path), "--port",
+            cmd = [sys.executable, "-m", "coral.cli.main", "serve", str(scenario), "--plan", str(plan_path), "--port",
                    str(port), "--db", f"{tmp}/state.sqlite", "--time-scale", str(TIME_SCALE), "--grace", "2"]
             proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             ready = poll(lambda: httpx.get(f"{url}/health", timeout=2).json()["routable"] == 3, 2 * startup_s())

@@ -6,8 +6,9 @@
 `coral serve SCENARIO --backend emulated --plan PLAN` (in this process: its `build_runtime`) serves the
 allocator's cost plan for the scenario (its template library, `coral templates build`); open-loop streamed completions replay the scenario's
 held-out requests (workload seed `--seed`; output tokens capped at `--max-output` so each answer ends within the
-run), in slowed time: every arrival and every engine delay x `--time-scale` (`coral serve --time-scale`), so the
-same queues form at 1/`--time-scale` of the events per second, and the SLOs are judged x `--time-scale`. After
+run), in slowed time: every arrival, every engine delay and the gateway's shedding buckets x `--time-scale`
+(`coral serve --time-scale`), so the same queues form at 1/`--time-scale` of the events per second, and the SLOs
+are judged x `--time-scale`. After
 `--before` s of scenario time every node of the GPU type `--lose` is lost: the goodput-mode plan within the nodes
 the running plan held, less that GPU type, is posted to `/replan` (`allocate(..., mode="goodput",
 availability=...)`), and the instances on that GPU type crash. Two runs on the same requests: `--shed plan` (the
@@ -81,12 +82,12 @@ def serving(sc: Scenario, plan: Plan, shed: ShedMode, time_scale: float, work: P
     """`coral serve SCENARIO --backend emulated --plan PLAN --time-scale K --shed SHED` in this process (its
     `build_runtime`, gateway config and shedder), until every instance is ready."""
     store = Store(work / f"{shed}.sqlite")
-    engines = EmulatedBackend(time_scale=time_scale, api_key=store.engine_token())
+    engines = EmulatedBackend(time_scale=time_scale, scenario=sc, api_key=store.engine_token())
     scale = max(1.0, time_scale)
     config = GatewayConfig(prefill_timeout_s=prefill_timeouts(sc, 10 * scale),
                            token_timeout_s=token_timeouts(sc, 10 * scale), shed=shed)
     app, controller = build_runtime(lambda: plan, store, engines, 3600.0, config, scenario=sc,
-                                    shedder=Shedder.for_scenario(sc))
+                                    shedder=Shedder.for_scenario(sc, time_scale))
     server = ServerThread(app).start()
     controller.start()
     try:
@@ -120,7 +121,8 @@ class Serving:
 
 
 async def one(client: httpx.AsyncClient, url: str, req: Request, k: float) -> dict[str, Any]:
-    """Send one streamed completion at its arrival (x `k`); its status, TTFT and TPOT (scenario seconds)."""
+    """Send one streamed completion at its arrival (x `k`); its status, TTFT, TPOT and latency to its last token
+    (scenario seconds)."""
     arrival, model, prompt, output = req
     body = {"model": model, "prompt": "abc " * prompt, "max_tokens": output, "stream": True}
     sent = time.perf_counter()
@@ -154,14 +156,15 @@ async def one(client: httpx.AsyncClient, url: str, req: Request, k: float) -> di
         return rec
     rec["ttft_s"] = (first - sent) / k
     rec["tpot_s"] = (last - first) / (tokens - 1) / k if tokens > 1 else 0.0
+    rec["latency_s"] = (last - sent) / k
     rec["outcome"] = "answered"
     return rec
 
 
-async def replay(srv: Serving, requests: list[Request], k: float, loss_at_s: float, gpu: str,
-                 loss_plan: Plan) -> list[dict[str, Any]]:
-    """Open-loop replay of `requests` in time slowed by `k`; at `loss_at_s` the loss plan is posted to `/replan`
-    and the instances on GPU type `gpu` crash."""
+async def replay(srv: Serving, requests: list[Request], k: float,
+                 loss: tuple[float, str, Plan] | None = None) -> list[dict[str, Any]]:
+    """Open-loop replay of `requests` in time slowed by `k`; with `loss` (at s, GPU type, plan), the plan is posted
+    to `/replan` at that time and the instances on that GPU type crash."""
     url = srv.url
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=200)
     async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(600.0, connect=30.0)) as client:
@@ -171,15 +174,16 @@ async def replay(srv: Serving, requests: list[Request], k: float, loss_at_s: flo
             await asyncio.sleep(max(0.0, t0 + req[0] * k - time.perf_counter()))
             return await one(client, url, req, k)
 
-        async def lose() -> None:
-            await asyncio.sleep(loss_at_s * k)
-            r = await client.post(f"{url}/replan", content=loss_plan.model_dump_json())
+        async def lose(at_s: float, gpu: str, plan: Plan) -> None:
+            await asyncio.sleep(at_s * k)
+            r = await client.post(f"{url}/replan", content=plan.model_dump_json())
             r.raise_for_status()
             await asyncio.to_thread(srv.lose, gpu)
 
-        loss = asyncio.create_task(lose())
+        lost = asyncio.create_task(lose(*loss)) if loss is not None else None
         records = await asyncio.gather(*(at(r) for r in requests))
-        await loss
+        if lost is not None:
+            await lost
         return list(records)
 
 
@@ -203,16 +207,22 @@ def summarize(records: list[dict[str, Any]], sc: Scenario, loss_at_s: float, end
     return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def replay_options(doc: str, json_default: str) -> argparse.ArgumentParser:
+    """The options of a benchmark replaying held-out requests on `coral serve --backend emulated`."""
+    ap = argparse.ArgumentParser(description=doc.split("\n")[0])
     ap.add_argument("--scenario", default="core")
-    ap.add_argument("--lose", default="L40S", help="GPU type lost: every node config of it")
     ap.add_argument("--time-scale", type=float, default=2.0, help="wall seconds per scenario second")
-    ap.add_argument("--before", type=float, default=5.0, help="scenario seconds before the loss")
-    ap.add_argument("--after", type=float, default=20.0, help="scenario seconds of requests after the loss")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--max-output", type=int, default=256, help="output tokens of a request at most")
-    ap.add_argument("--json", type=Path, default=Path("out/benchmarks/shedding_runtime.json"))
+    ap.add_argument("--json", type=Path, default=Path(json_default))
+    return ap
+
+
+def main() -> None:
+    ap = replay_options(__doc__, "out/benchmarks/shedding_runtime.json")
+    ap.add_argument("--lose", default="L40S", help="GPU type lost: every node config of it")
+    ap.add_argument("--before", type=float, default=5.0, help="scenario seconds before the loss")
+    ap.add_argument("--after", type=float, default=20.0, help="scenario seconds of requests after the loss")
     args = ap.parse_args()
 
     started = time.perf_counter()
@@ -233,7 +243,7 @@ def main() -> None:
         for shed in arms:
             t0 = time.perf_counter()
             with serving(sc, plan, shed, k, work) as srv:
-                records = asyncio.run(replay(srv, requests, k, args.before, args.lose, loss_plan))
+                records = asyncio.run(replay(srv, requests, k, (args.before, args.lose, loss_plan)))
             runs[shed] = {"after_loss": summarize(records, sc, args.before, end_s), "wall_s": time.perf_counter() - t0}
 
     console = table_console()

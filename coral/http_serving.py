@@ -203,21 +203,24 @@ class _EndQuietly:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        started = stream = False
+        started = stream = done = False
 
         async def tracked(message: Message) -> None:
-            nonlocal started, stream
+            nonlocal started, stream, done
             if message["type"] == "http.response.start":
                 started = True
                 stream = any(k.lower() == b"content-type" and v.startswith(b"text/event-stream")
                              for k, v in message.get("headers", []))
             await send(message)
+            done = message["type"] == "http.response.body" and not message.get("more_body", False)
 
         try:
             await self.app(scope, receive, tracked)
         except asyncio.CancelledError:
             if not self.server.should_exit:
                 raise
+            if done:  # its whole answer was sent before the cancel reached it
+                return
             body = error_body("the server is shutting down", error_type(503), None, "server_shutdown")
             if not started:
                 await send({"type": "http.response.start", "status": 503,

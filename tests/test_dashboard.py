@@ -264,6 +264,7 @@ def runtime(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     """`coral serve`'s app (`build_runtime`) over a prefill + decode plan of phi-4, history sampled every 50 ms."""
     from functools import partial
 
+    from coral.catalog.loader import load_scenario
     from coral.cli import runtime as cli_runtime
     from coral.http_serving import ServerThread
     from coral.report import dashboard
@@ -276,7 +277,7 @@ def runtime(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     monkeypatch.setattr(cli_runtime, "make_router", fast, raising=False)  # ... or at import
     plan = make_plan([make_instance("phi-4", "prefill", [(40, ["1xL40S"])], 6000.0, template_id=1),
                       make_instance("phi-4", "decode", [(40, ["1xL4"])], 500.0, template_id=2)])
-    engines = EmulatedBackend(time_scale=0.05)
+    engines = EmulatedBackend(time_scale=0.05, scenario=load_scenario("core"))
     app, controller = cli_runtime.build_runtime(lambda: plan, Store(tmp_path / "rt.sqlite"), engines, 3600)
     server = ServerThread(app).start()
     try:

@@ -11,6 +11,7 @@ import pytest
 from typer.testing import CliRunner
 
 from coral.allocation.plan import Plan
+from coral.catalog.loader import load_scenario
 from coral.cli.main import app as cli_app
 from coral.cli.runtime import build_runtime
 from coral.http_serving import ServerThread
@@ -56,7 +57,7 @@ class CrashOnStop:
 
 @pytest.fixture
 def backend():
-    b = EmulatedBackend(time_scale=TIME_SCALE)
+    b = EmulatedBackend(time_scale=TIME_SCALE, scenario=load_scenario("core"))
     yield b
     b.close()
 
@@ -148,7 +149,7 @@ def test_restart_forgets_instances_that_died(tmp_path, backend):
 
 def test_http_api_status_and_end_to_end(tmp_path):
     plans = [plan_of(1)]
-    engines = EmulatedBackend(time_scale=TIME_SCALE)
+    engines = EmulatedBackend(time_scale=TIME_SCALE, scenario=load_scenario("core"))
     gw_app, c = build_runtime(lambda: plans[-1], Store(tmp_path / "rt.sqlite"), engines, 3600)
     srv = ServerThread(gw_app).start()
     try:
@@ -365,7 +366,7 @@ def test_controller_replans_when_the_market_changes(tmp_path, backend):
 
     import yaml
 
-    from coral.catalog.loader import builtin_catalog, load_scenario
+    from coral.catalog.loader import builtin_catalog
     from coral.cli.runtime import allocator_planner
     from coral.runtime.market import MarketWatcher
     from coral.templates.build import build_library

@@ -364,21 +364,62 @@ def test_retry_on_5xx_before_first_token():
         assert r.status_code == 502 and "HTTP 500" in r.json()["error"]["message"]
 
 
-def test_emulated_timing_follows_perf_model():
-    from coral.catalog.loader import builtin_catalog
+def test_emulated_pipeline_serves_as_the_simulator_does():
+    """A PlanInstance's engine uses the simulator's kernels: prompts flow stage to stage in chunks of the
+    node's planned batch (a 2-stage prompt of 3 chunks takes 6 node steps), a decode node takes at most its
+    batch cap of sequences (the next one waits for a slot), and stage nodes are picked by weighted round-robin."""
+    from coral.catalog.loader import builtin_catalog, load_scenario
     from coral.perf.roofline import RooflineModel
+    from coral.runtime.emulated import PipelineTiming, _PipelineEngine
     from coral.runtime.handmade import make_instance
+    from coral.simulation.kernels import KernelCache
 
-    cat = builtin_catalog()
-    one = make_instance("phi-4", "decode", [(40, ["1xL40S"])], 1.0)
-    two = make_instance("phi-4", "decode", [(20, ["1xL40S"]), (20, ["1xL4"])], 1.0)
-    perf = RooflineModel()
-    t1 = EngineTiming.from_instance(one, cat.model("phi-4"), cat, perf)
-    t2 = EngineTiming.from_instance(two, cat.model("phi-4"), cat, perf)
-    assert 0 < t1.prefill_s(100) < t1.prefill_s(2000)
-    assert t1.decode_step_s(1, 500) < t1.decode_step_s(64, 500)
-    assert t2.decode_step_s(8, 500) > t1.decode_step_s(8, 500)  # half the layers on a slower L4
+    kernels = KernelCache(load_scenario("core"), builtin_catalog(), RooflineModel())
+    pre = make_instance("phi-4", "prefill", [(20, ["1xL40S"]), (20, ["1xL40S", "1xL4"])], 1.0)
+    dec = make_instance("phi-4", "decode", [(40, ["1xL40S"])], 1.0)
+    cap = kernels.kernel("phi-4", "prefill", "1xL40S", 20, 2).cap
+    dec_cap = kernels.kernel("phi-4", "decode", "1xL40S", 40, 1).cap
+
+    async def run() -> tuple[int, set[float], int, int]:
+        p = PipelineTiming(pre, kernels).start(1e-6)
+        nic = await p.prefill(3 * cap)
+        steps = p.prefill_steps
+        other = await p.prefill(1)  # the second stage's other node: its NIC is the path's busiest
+        d = PipelineTiming(dec, kernels).start(1e-6)
+        assert isinstance(d, _PipelineEngine)
+        held = [d.decode(10, 4, nic) for _ in range(dec_cap + 1)]
+        started = await asyncio.gather(*(anext(g) for g in held[:-1]))  # each admitted: its first token
+        late = asyncio.ensure_future(anext(held[-1]))
+        await asyncio.sleep(0.01)
+        waiting = len(d.waiting)
+        assert not late.done() and len(started) == dec_cap
+        await held[0].aclose()  # one leaves: the waiting one gets its slot
+        await asyncio.wait_for(late, 5)
+        for g in held[1:]:
+            await g.aclose()
+        return steps, {nic, other}, waiting, len(d.waiting)
+
+    steps, nics, waiting, after = asyncio.run(run())
+    per_node = {c: 20 / builtin_catalog().node_config(c).nic_bytes_s for c in ("1xL40S", "1xL4")}
+    assert steps == 6 and nics == {per_node["1xL40S"], max(per_node.values())}
+    assert (waiting, after) == (1, 0)
     assert token_text("x y", 3) == token_text("x y", 3) != token_text("x z", 3)
+
+
+def test_an_emulated_engine_timed_by_the_perf_model_needs_its_models_scenario():
+    from coral.catalog.loader import CoralInputError, builtin_catalog, load_scenario
+    from coral.perf.roofline import RooflineModel
+    from coral.runtime.emulated import instance_engine_app
+    from coral.runtime.handmade import make_instance
+    from coral.simulation.kernels import KernelCache
+
+    inst = make_instance("llama-3-8b", "decode", [(32, ["1xL40S"])], 1.0)
+    with pytest.raises(CoralInputError, match=r"needs the scenario of llama-3-8b .* has no scenario"):
+        instance_engine_app(inst, 1.0)
+    core = KernelCache(load_scenario("core"), builtin_catalog(), RooflineModel())
+    with pytest.raises(CoralInputError, match="scenario 'core', which does not serve it"):
+        instance_engine_app(inst, 1.0, core)
+    assert instance_engine_app(inst, 0.0).state.engine.prefill_steps == 0  # as fast as possible: no timing needed
 
 
 def test_pd_falls_back_to_local_prefill_when_prefill_pool_is_down():

@@ -13,6 +13,7 @@ from test_runtime_gateway import chat, stack, wait_for
 
 from coral.allocation.plan import ModelServing, Plan
 from coral.allocation.shedding import Shedder, sheds
+from coral.catalog.loader import load_scenario
 from coral.cli.runtime import build_runtime
 from coral.http_serving import ServerThread
 from coral.runtime.backends import EmulatedBackend
@@ -45,6 +46,17 @@ def test_shedder_buckets_by_hand():
     d = Shedder({}, {})
     d.set_capacity({("x", "decode"): 30.0}, now=0.0)
     assert d.buckets[("x", "decode")].depth == 30.0  # 1 s of capacity without a scenario
+
+
+def test_shedder_of_slowed_engines_refills_at_their_pace():
+    """Engines slowed 4x (`coral serve --time-scale 4`) make their tokens/s in 4 clock seconds: the bucket holds
+    the same tokens and refills 4x slower; unscaled, it would admit 4x the engines' capacity."""
+    s = Shedder({("m", "decode"): 1.0}, {"m": 5.0}, time_scale=4.0)
+    s.set_capacity({("m", "decode"): 100.0}, now=0.0)
+    assert s.buckets[("m", "decode")].depth == 100.0
+    assert s.admit("m", 1, 100, 0.0) == 0.0
+    assert s.admit("m", 1, 100, 1.0) == pytest.approx(3.0)  # 25 tokens back after 1 s: 75 short at 25/s
+    assert s.admit("m", 1, 100, 4.0) == 0.0
 
 
 def test_capacity_counts_routable_instances_only():
@@ -105,7 +117,7 @@ def tiny_plan(goodput: bool) -> Plan:
 def test_controller_plan_decides_whether_the_gateway_sheds(tmp_path, shed: ShedMode, goodput: bool, refused: bool):
     """A decode bucket of 4 tokens refilled in 4000 s: the second request of max_tokens 4 is refused when the
     gateway sheds (with shed=plan, only under a goodput plan that serves a model in part), else served."""
-    engines = EmulatedBackend(time_scale=TIME_SCALE)
+    engines = EmulatedBackend(time_scale=TIME_SCALE, scenario=load_scenario("core"))
     app, controller = build_runtime(lambda: tiny_plan(goodput), Store(tmp_path / "rt.sqlite"), engines, 3600,
                                     GatewayConfig(shed=shed), shedder=Shedder({("phi-4", "decode"): 4000.0}, {}))
     srv = ServerThread(app).start()

@@ -89,14 +89,17 @@ class Shedder:
     depth_s: dict[tuple[str, str], float]
     mean_output: dict[str, float]
     buckets: dict[tuple[str, str], TokenBucket] = field(default_factory=dict)
+    time_scale: float = 1.0
+    """Clock seconds per second of the engines' time (emulated engines slowed by `coral serve --time-scale`):
+    buckets refill at the capacity / `time_scale` per clock second and hold the same tokens."""
 
     @classmethod
-    def for_scenario(cls, scenario: Scenario) -> Shedder:
+    def for_scenario(cls, scenario: Scenario, time_scale: float = 1.0) -> Shedder:
         depth: dict[tuple[str, str], float] = {}
         for m in scenario.models:
             for phase in ("prefill", "decode"):
                 depth[(m.model, phase)] = m.prefill_slo_ms / 1e3
-        return cls(depth, {m.model: float(m.mean_output_tokens) for m in scenario.models})
+        return cls(depth, {m.model: float(m.mean_output_tokens) for m in scenario.models}, time_scale=time_scale)
 
     def set_capacity(self, capacity: Mapping[tuple[str, str], float], now: float) -> None:
         """Tokens/s serving each (model, phase) from `now` on (a key left out is not shed); a bucket keeps its
@@ -104,8 +107,9 @@ class Shedder:
         for key in list(self.buckets):
             if key not in capacity:
                 del self.buckets[key]
-        for key, rate in capacity.items():
-            depth = rate * self.depth_s.get(key, 1.0)
+        for key, tokens_s in capacity.items():
+            depth = tokens_s * self.depth_s.get(key, 1.0)
+            rate = tokens_s / self.time_scale
             b = self.buckets.get(key)
             if b is None:
                 self.buckets[key] = TokenBucket(rate, depth, depth, now)

@@ -20,12 +20,12 @@ from typing import Any, Protocol
 from coral import vllm_cpu
 from coral.allocation.plan import PlanInstance
 from coral.catalog.loader import Catalog, CoralInputError, builtin_catalog
-from coral.catalog.schema import parse_config_name
+from coral.catalog.schema import Scenario, parse_config_name
 from coral.deploy.vllm import launch_commands
 from coral.http_serving import ServerThread, free_port
-from coral.perf.model import PerfModel
 from coral.perf.roofline import RooflineModel
 from coral.runtime.emulated import instance_engine_app
+from coral.simulation.kernels import KernelCache
 
 Handle = dict[str, Any]
 
@@ -95,20 +95,20 @@ class Watchdog:
 
 
 class EmulatedBackend:
-    """One emulated engine server (uvicorn thread on loopback) per instance, timed by the perf model; with
-    `api_key`, its `/v1/*` answers only requests bearing it (the gateway's `upstream_api_key`)."""
+    """One emulated engine server (uvicorn thread on loopback) per instance, timed as the simulator serves it with
+    `scenario`'s SLOs and request sizes (needed unless `time_scale` is 0); with `api_key`, its `/v1/*` answers only requests bearing it (the gateway's `upstream_api_key`)."""
 
     def __init__(
         self,
         time_scale: float = 1.0,
+        scenario: Scenario | None = None,
         catalog: Catalog | None = None,
-        perf: PerfModel | RooflineModel | None = None,
+        perf: RooflineModel | None = None,
         host: str = "127.0.0.1",
         api_key: str | None = None,
     ) -> None:
         self.time_scale = time_scale
-        self.catalog = catalog
-        self.perf = perf
+        self.kernels = KernelCache(scenario, catalog or builtin_catalog(), perf or RooflineModel()) if scenario else None
         self.host = host
         self.api_key = api_key
         self.servers: dict[str, ServerThread] = {}
@@ -120,7 +120,7 @@ class EmulatedBackend:
         with self._lock:
             srv = self.servers.get(instance.id)
             if srv is None or not srv.alive():
-                app = instance_engine_app(instance, self.time_scale, self.catalog, self.perf, self.api_key)
+                app = instance_engine_app(instance, self.time_scale, self.kernels, self.api_key)
                 srv = self.servers[instance.id] = ServerThread(app, host=self.host).start()
                 self.apps[instance.id] = app
                 self.starts += 1

@@ -1,8 +1,8 @@
 """Emulated engine: a real OpenAI-compatible HTTP server per instance whose timing follows the perf model.
 
-Prefill runs in steps, each over all prompts waiting (continuous batching), lasting the prefill step time of
-the instance's pipeline (sum over stages) for that many tokens; the delay between tokens is the decode step
-time at the current number of active sequences. `time_scale`
+A plan instance is timed as the simulator serves it (`PipelineTiming`: the simulator's node kernels, chunked
+prefill pipelined over the stages, decode admission by batch slot and KV room, the KV hand-off, a token per
+pipeline cycle), in real time; tests may time an engine by plain functions instead (`EngineTiming`). `time_scale`
 multiplies every sleep (0 = as fast as possible). Tokens are deterministic: a function of the prompt and
 the position. The engine speaks vLLM's disaggregated-prefill protocol: a request carrying
 `kv_transfer_params.do_remote_decode` is prefilled only and answers with the `kv_transfer_params` a decode
@@ -22,25 +22,72 @@ import zlib
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
+import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from coral.allocation.plan import PlanInstance
-from coral.catalog.loader import Catalog, builtin_catalog
-from coral.catalog.schema import ModelArch
+from coral.catalog.loader import CoralInputError
 from coral.http_serving import unless_disconnected
 from coral.openai_shapes import bearer_allowed, chunk, error_body, full, max_tokens_of, usage
-from coral.perf.model import PerfModel, Phase, Workload
-from coral.perf.roofline import RooflineModel
+from coral.simulation.engine import Stride, cycle_s, take_chunks
+from coral.simulation.kernels import KernelCache, NodeKernel, decode_step
+
+HANDOFF_PARAM = "coral_handoff_s_per_layer_byte"
+"""The `kv_transfer_params` entry a prefill answer adds: seconds per KV byte of a layer at its path's busiest NIC,
+which the decode side's hand-off time takes (with its own) as the simulator does."""
 
 VOCAB = ("the", "cat", "sat", "on", "a", "warm", "mat", "and", "dreamt", "of", "fish", "in", "blue", "seas")
 
 
+@dataclass
+class EngineState:
+    instance_id: str
+    model: str
+    phase: str
+    active: int = 0
+    served: int = 0
+    prefills: int = 0
+    cancelled: int = 0
+    """Requests whose client (the gateway) left before the answer (a stream: before its first chunk): their work
+    was cancelled."""
+    request_ids: deque[str] = field(default_factory=lambda: deque(maxlen=64))
+    engine: EngineModel | None = None
+
+    @property
+    def prefill_steps(self) -> int:
+        return self.engine.prefill_steps if self.engine is not None else 0
+
+
+class EngineModel(Protocol):
+    """The timing of one running emulated engine (its app's event loop): waits, not work."""
+
+    @property
+    def prefill_steps(self) -> int: ...
+
+    async def prefill(self, prompt_tokens: int) -> float:
+        """Return once `prompt_tokens` are prefilled; the seconds per KV byte per layer of its path's busiest
+        NIC (its side of a KV hand-off; 0: none)."""
+        ...
+
+    def decode(self, prompt_tokens: int, output_tokens: int, sender: float | None) -> AsyncIterator[None]:
+        """Yield once before each output token: the first once the request is admitted (and, when `sender`
+        is the prefill side's NIC figure, its KV handed over), then one per decode step."""
+        ...
+
+
+class Timing(Protocol):
+    """What an engine app is timed by; `start` makes the engine's own (per event loop) model of it."""
+
+    def start(self, time_scale: float) -> EngineModel: ...
+
+
 @dataclass(frozen=True)
 class EngineTiming:
-    """Seconds to prefill `prompt_tokens`, and per decode step at `active` sequences."""
+    """Timing by functions: seconds to prefill `prompt_tokens` (waiting prompts batched into one step), and
+    per decode step at `active` sequences and a context."""
 
     prefill_s: Callable[[int], float]
     decode_step_s: Callable[[int, int], float]
@@ -49,30 +96,223 @@ class EngineTiming:
     def constant(cls, ttft_s: float = 0.0, itl_s: float = 0.0) -> EngineTiming:
         return cls(prefill_s=lambda _n: ttft_s, decode_step_s=lambda _a, _c: itl_s)
 
-    @classmethod
-    def from_instance(
-        cls,
-        instance: PlanInstance,
-        model_arch: ModelArch,
-        catalog: Catalog,
-        perf: PerfModel | RooflineModel,
-        output_tokens: float = 128,
-    ) -> EngineTiming:
-        """Pipeline timing of `instance`: stages run one after another for one request (first node of each)."""
-        stages = [(catalog.node_config(s.nodes[0]), s.layers) for s in instance.stages]
+    def start(self, time_scale: float) -> EngineModel:
+        return _FunctionEngine(self, time_scale)
 
-        def prefill(n: int) -> float:
-            w = Workload(input_tokens=max(n, 1), output_tokens=output_tokens)
-            return float(
-                sum(perf.step_time(model_arch, Phase.PREFILL, nd, j, max(n, 1), w) for nd, j in stages)
-            )
 
-        def decode(active: int, context: int) -> float:
-            w = Workload(input_tokens=max(context, 1), output_tokens=1)
-            b = max(active, 1)
-            return float(sum(perf.step_time(model_arch, Phase.DECODE, nd, j, b, w) for nd, j in stages))
+class _FunctionEngine:
+    def __init__(self, timing: EngineTiming, time_scale: float) -> None:
+        self.timing, self.time_scale = timing, time_scale
+        self.batcher = PrefillBatcher(timing.prefill_s, time_scale)
+        self.active = 0
 
-        return cls(prefill_s=prefill, decode_step_s=decode)
+    @property
+    def prefill_steps(self) -> int:
+        return self.batcher.steps
+
+    async def prefill(self, prompt_tokens: int) -> float:
+        await self.batcher.prefill(prompt_tokens)
+        return 0.0
+
+    async def decode(self, prompt_tokens: int, output_tokens: int, sender: float | None) -> AsyncIterator[None]:
+        self.active += 1
+        try:
+            for i in range(output_tokens):
+                if i and self.time_scale > 0:
+                    await asyncio.sleep(self.timing.decode_step_s(self.active, prompt_tokens + i) * self.time_scale)
+                yield
+        finally:
+            self.active -= 1
+
+
+@dataclass(frozen=True)
+class PipelineTiming:
+    """An instance timed as the simulator serves it (`coral.simulation.engine`), in real time: the same node
+    kernels (step tables, batch caps, KV room, NICs), the same per-stage weighted round-robin, chunked prefill
+    pipelined from stage to stage, decode admission to a path with a free batch slot and KV room on every
+    stage, the KV hand-off at the busiest NIC of either side, and a token per pipeline cycle (`cycle_s`)."""
+
+    instance: PlanInstance
+    kernels: KernelCache
+
+    def start(self, time_scale: float) -> EngineModel:
+        return _PipelineEngine(self.instance, self.kernels, time_scale)
+
+
+class _PrefillNode:
+    __slots__ = ("busy", "cap", "last", "layers_per_nic", "queue", "stage", "table")
+
+    def __init__(self, k: NodeKernel, stage: int, n_stages: int, layers: int) -> None:
+        self.table, self.cap = k.table, k.cap
+        self.layers_per_nic = layers / k.nic_bytes_s
+        self.stage, self.last = stage, stage == n_stages - 1
+        self.queue: deque[list[Any]] = deque()  # [_Prompt, tokens still to pass this node]
+        self.busy = False
+
+
+class _Prompt:
+    __slots__ = ("done", "left", "nodes")
+
+    def __init__(self, tokens: int, nodes: tuple[_PrefillNode, ...], done: asyncio.Future[None]) -> None:
+        self.left, self.nodes, self.done = tokens, nodes, done
+
+
+class _DecodeNode:
+    __slots__ = ("cap", "ctx_sum", "dt", "k", "kv_cap", "kv_free", "layers_per_nic", "slots", "table")
+
+    def __init__(self, k: NodeKernel, layers: int) -> None:
+        self.table, self.cap = k.ctx_table, k.cap
+        self.layers_per_nic = layers / k.nic_bytes_s
+        self.kv_cap = self.kv_free = k.kv_tokens
+        self.slots = self.k = 0
+        self.ctx_sum = 0.0
+        self.dt = decode_step(k.ctx_table, 0, 1.0)
+
+    def change(self, delta: int, ctx: float) -> None:
+        """One resident sequence of decode context `ctx` more (+1) or less (-1)."""
+        self.k += delta
+        self.ctx_sum = self.ctx_sum + delta * ctx if self.k else 0.0
+        self.dt = decode_step(self.table, self.k, self.ctx_sum / self.k if self.k else 1.0)
+
+
+class _PipelineEngine:
+    """`PipelineTiming` on one event loop; its prefill and decode nodes are built when first used (an
+    instance of either phase answers the other when the gateway sends it one: a local prefill, or a prefill pool
+    answering alone)."""
+
+    def __init__(self, spec: PlanInstance, kernels: KernelCache, time_scale: float) -> None:
+        self.spec, self.kernels, self.time_scale = spec, kernels, time_scale
+        self.consts = kernels.models[spec.model]
+        self.prefill_steps = 0
+        self._prefill: list[list[_PrefillNode]] | None = None
+        self._decode: list[list[_DecodeNode]] | None = None
+        self.pickers = [Stride(list(range(len(st.nodes))), list(st.node_throughput) or [1.0] * len(st.nodes))
+                        for st in spec.stages]
+        self.waiting: deque[tuple[float, asyncio.Future[tuple[_DecodeNode, ...]]]] = deque()
+        self.tasks: set[asyncio.Task[None]] = set()
+
+    def _kernel(self, phase: str, config: str, layers: int) -> NodeKernel:
+        return self.kernels.kernel(self.spec.model, phase, config, layers, len(self.spec.stages))
+
+    def _kv_tokens(self, tokens: float) -> float:
+        """KV tokens per layer a context of `tokens` holds."""
+        return float(self.kernels.attended(self.spec.model, np.array([tokens]))[0])
+
+    # --- prefill ----------------------------------------------------------------------------------------
+    async def prefill(self, prompt_tokens: int) -> float:
+        if self._prefill is None:
+            n = len(self.spec.stages)
+            self._prefill = [[_PrefillNode(self._kernel("prefill", c, st.layers), j, n, st.layers) for c in st.nodes]
+                             for j, st in enumerate(self.spec.stages)]
+        nodes = tuple(stage[p.pick()] for stage, p in zip(self._prefill, self.pickers, strict=True))
+        busiest = max(n.layers_per_nic for n in nodes)
+        if self.time_scale <= 0:
+            self.prefill_steps += 1
+            return busiest
+        prompt = _Prompt(prompt_tokens, nodes, asyncio.get_running_loop().create_future())
+        self._queue(nodes[0], [prompt, prompt_tokens])
+        await prompt.done
+        return busiest
+
+    def _queue(self, node: _PrefillNode, item: list[Any]) -> None:
+        q = node.queue
+        if q and q[-1][0] is item[0]:
+            q[-1][1] += item[1]
+        else:
+            q.append(item)
+        if not node.busy:
+            node.busy = True
+            task = asyncio.create_task(self._steps(node))
+            self.tasks.add(task)
+            task.add_done_callback(self.tasks.discard)
+
+    async def _steps(self, node: _PrefillNode) -> None:
+        """Chunked-prefill steps while prompts wait: FCFS up to the node's planned batch; chunks through the
+        last stage finish their prompt's prefill, others queue at the prompt's next stage node."""
+        try:
+            while node.queue:
+                batch, tokens = take_chunks(node.queue, node.cap)
+                self.prefill_steps += 1
+                await asyncio.sleep(node.table[tokens] * self.time_scale)
+                for prompt, tok in batch:
+                    if not node.last:
+                        self._queue(prompt.nodes[node.stage + 1], [prompt, tok])
+                        continue
+                    prompt.left -= tok
+                    if prompt.left <= 0 and not prompt.done.done():
+                        prompt.done.set_result(None)
+        finally:
+            node.busy = False
+
+    # --- decode -----------------------------------------------------------------------------------------
+    async def decode(self, prompt_tokens: int, output_tokens: int, sender: float | None) -> AsyncIterator[None]:
+        ctx = prompt_tokens + output_tokens / 2  # the simulator's mean decode context and KV charge
+        need = self._kv_tokens(ctx)
+        path = await self._admitted(need)
+        try:
+            if sender is not None:
+                busiest = max(sender, *(n.layers_per_nic for n in path))
+                kv_bytes = self._kv_tokens(prompt_tokens) * self.consts.kv_bytes_per_token_layer
+                await self._sleep(kv_bytes * busiest)
+            for n in path:
+                n.change(+1, ctx)
+            try:
+                for i in range(output_tokens):
+                    if i:
+                        await self._sleep(cycle_s(path))
+                    yield
+            finally:
+                for n in path:
+                    n.change(-1, ctx)
+        finally:
+            for n in path:
+                n.slots -= 1
+                n.kv_free += min(need, n.kv_cap)
+            self._admit()
+
+    async def _sleep(self, seconds: float) -> None:
+        if self.time_scale > 0 and seconds > 0:
+            await asyncio.sleep(seconds * self.time_scale)
+
+    async def _admitted(self, need: float) -> tuple[_DecodeNode, ...]:
+        """Wait (FIFO) for a path with a free batch slot and KV room for `need` tokens on every stage."""
+        if self._decode is None:
+            self._decode = [[_DecodeNode(self._kernel("decode", c, st.layers), st.layers) for c in st.nodes]
+                            for st in self.spec.stages]
+        fut: asyncio.Future[tuple[_DecodeNode, ...]] = asyncio.get_running_loop().create_future()
+        self.waiting.append((need, fut))
+        self._admit()
+        try:
+            return await fut
+        except asyncio.CancelledError:  # the client left: give back a path admitted meanwhile
+            if fut.done() and not fut.cancelled():
+                for n in fut.result():
+                    n.slots -= 1
+                    n.kv_free += min(need, n.kv_cap)
+                self._admit()
+            raise
+
+    def _admit(self) -> None:
+        """Admit waiting requests FIFO while the head fits; per stage the node the weighted round-robin picks
+        among those with room."""
+        assert self._decode is not None
+        w = self.waiting
+        while w:
+            need, fut = w[0]
+            if fut.done():  # cancelled while waiting
+                w.popleft()
+                continue
+            free = [[i for i, n in enumerate(st) if n.slots < n.cap and n.kv_free >= min(need, n.kv_cap)]
+                    for st in self._decode]
+            if not all(free) and self.time_scale > 0:
+                return
+            idx = [p.pick_among(ok) if ok else p.pick() for p, ok in zip(self.pickers, free, strict=True)]
+            path = tuple(st[i] for st, i in zip(self._decode, idx, strict=True))
+            for n in path:
+                n.slots += 1
+                n.kv_free -= min(need, n.kv_cap)
+            w.popleft()
+            fut.set_result(path)
 
 
 def prompt_text(body: dict[str, Any]) -> str:
@@ -95,38 +335,21 @@ def token_text(prompt: str, i: int) -> str:
     return " " + VOCAB[(zlib.crc32(prompt.encode(errors="surrogatepass")) + i) % len(VOCAB)]
 
 
-@dataclass
-class EngineState:
-    instance_id: str
-    model: str
-    phase: str
-    active: int = 0
-    served: int = 0
-    prefills: int = 0
-    prefill_steps: int = 0
-    cancelled: int = 0
-    """Requests whose client (the gateway) left before the answer (a stream: before its first chunk): their work
-    was cancelled."""
-    request_ids: deque[str] = field(default_factory=lambda: deque(maxlen=64))
-
-
 class PrefillBatcher:
-    """Prefill as the engine schedules it: one step at a time, each over every prompt waiting (up to
-    `max_tokens` tokens), lasting the perf model's step time for that batch of tokens."""
+    """Prefill in steps, each over every prompt waiting (up to `max_tokens` tokens), lasting `step_s` of that
+    batch of tokens."""
 
-    def __init__(
-        self, step_s: Callable[[int], float], time_scale: float, st: EngineState, max_tokens: int = 8192
-    ):
+    def __init__(self, step_s: Callable[[int], float], time_scale: float, max_tokens: int = 8192):
         self.step_s = step_s
         self.time_scale = time_scale
-        self.st = st
         self.max_tokens = max_tokens
+        self.steps = 0
         self.queue: asyncio.Queue[tuple[int, asyncio.Future[None]]] | None = None
         self.task: asyncio.Task[None] | None = None
 
     async def prefill(self, n_tokens: int) -> None:
         if self.time_scale <= 0:
-            self.st.prefill_steps += 1
+            self.steps += 1
             return
         if self.queue is None:
             self.queue = asyncio.Queue()
@@ -142,7 +365,7 @@ class PrefillBatcher:
             while not queue.empty() and total < self.max_tokens:
                 batch.append(queue.get_nowait())
                 total += batch[-1][0]
-            self.st.prefill_steps += 1
+            self.steps += 1
             await asyncio.sleep(self.step_s(total) * self.time_scale)
             for _, fut in batch:
                 if not fut.done():  # a cancelled request left its future cancelled
@@ -157,7 +380,7 @@ def create_engine_app(
     instance_id: str,
     model: str,
     phase: str,
-    timing: EngineTiming,
+    timing: Timing,
     time_scale: float = 1.0,
     api_key: str | None = None,
 ) -> FastAPI:
@@ -172,11 +395,7 @@ def create_engine_app(
 
     st = EngineState(instance_id=instance_id, model=model, phase=phase)
     app.state.engine = st
-    batcher = PrefillBatcher(timing.prefill_s, time_scale, st)
-
-    async def sleep(seconds: float) -> None:
-        if time_scale > 0 and seconds > 0:
-            await asyncio.sleep(seconds * time_scale)
+    engine = st.engine = timing.start(time_scale)
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
@@ -214,13 +433,17 @@ def create_engine_app(
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{request_id}"
         headers = {"x-coral-instance": instance_id}
         st.served += 1
+        sender: float | None = None  # the prefill side's NIC figure when its KV is handed over
+        nic = 0.0
         if not kv_in.get("do_remote_prefill"):
             st.prefills += 1
             st.active += 1
             try:
-                await batcher.prefill(n_prompt)
+                nic = await engine.prefill(n_prompt)
             finally:
                 st.active -= 1
+        else:
+            sender = float(kv_in.get(HANDOFF_PARAM) or 0.0)
         if kv_in.get("do_remote_decode"):
             text = token_text(prompt, 0)
             out = full(chat, rid, model, text, n_prompt, 1)
@@ -231,16 +454,17 @@ def create_engine_app(
                 "remote_block_ids": list(range((n_prompt + 15) // 16)),
                 "remote_host": request.url.hostname,
                 "remote_port": request.url.port,
+                HANDOFF_PARAM: nic,
             }
             return JSONResponse(out, headers=headers)
 
         async def tokens() -> AsyncIterator[str]:
             st.active += 1
             try:
-                for i in range(n_out):
-                    if i:
-                        await sleep(timing.decode_step_s(st.active, n_prompt + i))
+                i = 0
+                async for _ in engine.decode(n_prompt, n_out, sender):
                     yield token_text(prompt, i)
+                    i += 1
             finally:
                 st.active -= 1
 
@@ -285,11 +509,19 @@ def create_engine_app(
 def instance_engine_app(
     instance: PlanInstance,
     time_scale: float = 1.0,
-    catalog: Catalog | None = None,
-    perf: PerfModel | RooflineModel | None = None,
+    kernels: KernelCache | None = None,
     api_key: str | None = None,
 ) -> FastAPI:
-    """The emulated engine of a plan instance, timed by the perf model (roofline by default)."""
-    cat = catalog or builtin_catalog()
-    timing = EngineTiming.from_instance(instance, cat.model(instance.model), cat, perf or RooflineModel())
+    """The emulated engine of a plan instance, timed as the simulator serves it (`PipelineTiming`) with the
+    node kernels of `kernels` (its scenario's SLOs and request sizes size the batches); at `time_scale` 0 it
+    answers at once and needs none."""
+    timing: Timing
+    if time_scale <= 0:
+        timing = EngineTiming.constant()
+    elif kernels is None or instance.model not in kernels.models:
+        where = "no scenario" if kernels is None else f"scenario {kernels.scenario.name!r}, which does not serve it"
+        raise CoralInputError(f"instance {instance.id}: an emulated engine timed by the perf model needs the "
+                              f"scenario of {instance.model} (its SLOs and request sizes), and has {where}")
+    else:
+        timing = PipelineTiming(instance, kernels)
     return create_engine_app(instance.id, instance.model, instance.phase, timing, time_scale, api_key)

@@ -34,7 +34,7 @@ import heapq
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 import numpy as np
 
@@ -81,6 +81,25 @@ class Stride(Generic[T]):
         return self.items[best[1]]
 
 
+def take_chunks(queue: deque[list[Any]], cap: int) -> tuple[list[list[Any]], int]:
+    """One chunked-prefill step's batch: [request, prompt tokens] items taken FCFS from `queue` up to `cap` tokens
+    (the last one split, its rest left queued), and the tokens taken."""
+    tokens = 0
+    batch: list[list[Any]] = []
+    while queue and tokens < cap:
+        item = queue[0]
+        take = cap - tokens
+        if item[1] <= take:
+            tokens += item[1]
+            batch.append(item)
+            queue.popleft()
+        else:
+            item[1] -= take
+            batch.append([item[0], take])
+            tokens = cap
+    return batch, tokens
+
+
 class PNode:
     """A prefill stage node; queue and batch hold [request, prompt tokens still to pass this node]."""
 
@@ -116,7 +135,17 @@ class DNode:
         self.busy_time = 0.0
 
 
-def cycle_s(nodes: tuple[DNode, ...]) -> float:
+class Stepping(Protocol):
+    """A decode stage node as `cycle_s` sees it: its step time and resident sequences."""
+
+    @property
+    def dt(self) -> float: ...
+
+    @property
+    def k(self) -> int: ...
+
+
+def cycle_s(nodes: Sequence[Stepping]) -> float:
     """Seconds per token of a sequence on a decode path: one micro-batch's pass over the stages, or, with
     several micro-batches in flight, the bottleneck node's step time once per micro-batch."""
     if len(nodes) == 1:
@@ -594,21 +623,7 @@ class Engine:
 
     def start_prefill(self, node: PNode, t: float) -> None:
         """One chunked-prefill step: queued prompt tokens FCFS up to the node's planned batch."""
-        cap = node.cap
-        q = node.queue
-        tokens = 0
-        batch: list[list[int]] = []
-        while q and tokens < cap:
-            item = q[0]
-            take = cap - tokens
-            if item[1] <= take:
-                tokens += item[1]
-                batch.append(item)
-                q.popleft()
-            else:
-                item[1] -= take
-                batch.append([item[0], take])
-                tokens = cap
+        batch, tokens = take_chunks(node.queue, node.cap)
         dt = node.table[tokens]
         node.busy = True
         node.batch = batch
