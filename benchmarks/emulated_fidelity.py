@@ -30,6 +30,7 @@ from shedding_runtime import (  # benchmarks/shedding_runtime.py
     Request,
     replay,
     replay_options,
+    request_sets,
     requests_of,
     serving,
 )
@@ -39,17 +40,6 @@ from coral.catalog.loader import load_scenario
 from coral.catalog.schema import Scenario
 from coral.simulation import simulate
 from coral.templates.store import load_library
-from coral.workload.traces import RequestSet
-
-
-def request_sets(requests: list[Request]) -> dict[str, RequestSet]:
-    """`requests` as the simulator takes them, per model."""
-    out: dict[str, RequestSet] = {}
-    for model in sorted({r[1] for r in requests}):
-        rs = [r for r in requests if r[1] == model]
-        out[model] = RequestSet(np.array([r[0] for r in rs]), np.array([r[2] for r in rs]),
-                                np.array([r[3] for r in rs]))
-    return out
 
 
 def compare(sc: Scenario, requests: list[Request], emulated: list[dict[str, Any]],

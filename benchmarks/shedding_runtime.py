@@ -15,7 +15,8 @@ availability=...)`), and the instances on that GPU type crash. Two runs on the s
 gateway refuses each model's requests beyond its capacity at once while the plan in force serves a model only in
 part, or a model lost instances: `coral.allocation.shedding`) and `--shed off`. Per model, over the requests arriving after the loss: sent, answered within both SLOs (TTFT and TPOT
 of the streamed answer), shed (429 `model_over_capacity`), other errors, and SLO goodput (output tokens/s of the
-requests within both SLOs, per second of scenario time). Prints a table and writes `--json` (default
+requests within both SLOs, per second of scenario time). The same requests and loss are then simulated, both
+arms (`simulated`), for a second table. Prints the tables and writes `--json` (default
 out/benchmarks/shedding_runtime.json).
 """
 
@@ -33,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 from _console import table_console  # benchmarks/_console.py
 from rich.table import Table
 
@@ -40,15 +42,16 @@ from coral.allocation.allocator import allocate
 from coral.allocation.plan import Plan
 from coral.allocation.shedding import Shedder, sheds
 from coral.catalog.loader import load_scenario
-from coral.catalog.schema import Scenario
+from coral.catalog.schema import AvailabilitySchedule, AvailabilityStep, Scenario
 from coral.cli.runtime import build_runtime, prefill_timeouts, token_timeouts
 from coral.http_serving import ServerThread
 from coral.runtime.backends import EmulatedBackend
 from coral.runtime.controller import Controller, Store
 from coral.runtime.gateway import GatewayConfig
 from coral.runtime.gateway.config import ShedMode
+from coral.simulation import simulate
 from coral.templates.store import load_library
-from coral.workload.traces import workload_for
+from coral.workload.traces import RequestSet, workload_for
 
 Request = tuple[float, str, int, int]
 """(arrival s of scenario time, model, prompt tokens, output tokens)"""
@@ -75,6 +78,40 @@ def requests_of(sc: Scenario, duration_s: float, seed: int, max_output: int) -> 
         for t, i, o in zip(rs.arrival_s, rs.input_tokens, rs.output_tokens, strict=True):
             out.append((float(t), model, max(1, int(i)), max(1, min(max_output, int(o)))))
     return sorted(out)
+
+
+def request_sets(requests: list[Request]) -> dict[str, RequestSet]:
+    """`requests` as the simulator takes them, per model."""
+    out: dict[str, RequestSet] = {}
+    for model in sorted({r[1] for r in requests}):
+        rs = [r for r in requests if r[1] == model]
+        out[model] = RequestSet(np.array([r[0] for r in rs]), np.array([r[2] for r in rs]),
+                                np.array([r[3] for r in rs]))
+    return out
+
+
+def simulated(sc: Scenario, plan: Plan, requests: list[Request], shed: ShedMode,
+              loss: tuple[float, str, Plan]) -> list[dict[str, Any]]:
+    """The same requests and loss in the simulator (`coral.simulation.simulate`): `plan` until the loss, when an
+    availability step takes every node of the GPU type (its instances are lost at once) and the loss plan is in
+    force (instances ready at once, as the emulated ones nearly are); records as `one` makes them (the simulator's
+    TTFT ends at the prefill, its TPOT holds the KV hand-off and the decode admission)."""
+    at_s, gpu, loss_plan = loss
+    gone = {r: {c: 0 for c in cfgs if c.partition("x")[2] == gpu} for r, cfgs in held_nodes(plan).items()}
+    schedule = AvailabilitySchedule(steps=[AvailabilityStep(at_s=at_s, counts=gone)])
+    end = max(r[0] for r in requests) + 1e-3
+    res = simulate(lambda epoch, _demand, _running: plan if epoch == 0 else loss_plan, sc, request_sets(requests),
+                   duration_s=end, epoch_s=at_s, startup_delay_s=0.0, availability=schedule, shed=shed)
+    pr = res.per_request()
+    names = [m.model for m in res.models]
+    out = []
+    for k in range(len(pr["arrival_s"])):
+        ttft, tpot = float(pr["ttft_s"][k]), float(pr["tpot_s"][k])
+        outcome = ("shed" if pr["refused"][k] else "answered" if np.isfinite(ttft) and np.isfinite(tpot)
+                   else "unfinished")
+        out.append({"arrival_s": float(pr["arrival_s"][k]), "model": names[int(pr["model"][k])],
+                    "output_tokens": int(pr["output_tokens"][k]), "ttft_s": ttft, "tpot_s": tpot, "outcome": outcome})
+    return out
 
 
 @contextmanager
@@ -237,35 +274,38 @@ def main() -> None:
     requests = requests_of(sc, end_s, args.seed, args.max_output)
     k = args.time_scale
     runs: dict[str, Any] = {}
+    arms: tuple[ShedMode, ...] = ("plan", "off")
     with tempfile.TemporaryDirectory() as tmp:
-        work = Path(tmp)
-        arms: tuple[ShedMode, ...] = ("plan", "off")
         for shed in arms:
             t0 = time.perf_counter()
-            with serving(sc, plan, shed, k, work) as srv:
+            with serving(sc, plan, shed, k, Path(tmp)) as srv:
                 records = asyncio.run(replay(srv, requests, k, (args.before, args.lose, loss_plan)))
             runs[shed] = {"after_loss": summarize(records, sc, args.before, end_s), "wall_s": time.perf_counter() - t0}
+    sims = {shed: {"after_loss": summarize(simulated(sc, plan, requests, shed, (args.before, args.lose, loss_plan)),
+                                           sc, args.before, end_s)} for shed in arms}
 
     console = table_console()
     share = ", ".join(f"{s.model}/{s.phase} {s.served_fraction:.0%}" for s in loss_plan.serving)
-    table = Table(title=f"{sc.name} on coral serve --backend emulated (time x{k:g}): every {args.lose} node lost at "
-                        f"{args.before:g} s; requests arriving in the {args.after:g} s after (held-out, seed "
-                        f"{args.seed}); the plan after serves {share}")
-    cols = ["model", "sent"] + [f"{arm}: {c}" for arm in ("shed", "no shedding")
-                                for c in ("within SLO", "shed", "late", "errors", "goodput tok/s")]
-    for col in cols:
-        table.add_column(col, justify="left" if col == "model" else "right")
-    for name in [*(m.model for m in sc.models), "all"]:
-        row = [name, f"{runs['plan']['after_loss'][name]['sent']:,}"]
-        for arm in ("plan", "off"):
-            a = runs[arm]["after_loss"][name]
-            row += [f"{a['within_slo']:,}", f"{a['shed']:,}", f"{a['late']:,}", f"{a['errors']:,}",
-                    f"{a['goodput_tokens_s']:,.0f}"]
-        table.add_row(*row)
-    console.print(table)
+    for side, results in ((f"coral serve --backend emulated (time x{k:g})", runs),
+                          ("the simulator, same requests and loss", sims)):
+        table = Table(title=f"{sc.name} on {side}: every {args.lose} node lost at {args.before:g} s; requests "
+                            f"arriving in the {args.after:g} s after (held-out, seed {args.seed}); the plan after "
+                            f"serves {share}")
+        cols = ["model", "sent"] + [f"{arm}: {c}" for arm in ("shed", "no shedding")
+                                    for c in ("within SLO", "shed", "late", "errors", "goodput tok/s")]
+        for col in cols:
+            table.add_column(col, justify="left" if col == "model" else "right")
+        for name in [*(m.model for m in sc.models), "all"]:
+            row = [name, f"{results['plan']['after_loss'][name]['sent']:,}"]
+            for arm in arms:
+                a = results[arm]["after_loss"][name]
+                row += [f"{a['within_slo']:,}", f"{a['shed']:,}", f"{a['late']:,}", f"{a['errors']:,}",
+                        f"{a['goodput_tokens_s']:,.0f}"]
+            table.add_row(*row)
+        console.print(table)
     for arm, run in runs.items():
         kinds = {k2: v for name, a in run["after_loss"].items() if name == "all" for k2, v in a["error_kinds"].items()}
-        console.print(f"--shed {arm}: {run['wall_s']:.0f} s; other errors: {kinds or 'none'}")
+        console.print(f"emulated, --shed {arm}: {run['wall_s']:.0f} s; other errors: {kinds or 'none'}")
     wall = time.perf_counter() - started
     console.print(f"wall time {wall:.0f} s")
     args.json.parent.mkdir(parents=True, exist_ok=True)
@@ -273,7 +313,7 @@ def main() -> None:
                                      "after_s": args.after, "seed": args.seed, "max_output": args.max_output,
                                      "plan_after_loss": {f"{s.model}/{s.phase}": s.served_fraction
                                                          for s in loss_plan.serving},
-                                     "runs": runs, "wall_s": wall}, indent=1))
+                                     "runs": runs, "simulated": sims, "wall_s": wall}, indent=1))
     console.print(f"wrote {args.json}")
 
 
