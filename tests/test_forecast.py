@@ -217,6 +217,14 @@ def test_traffic_meter_reads_the_gateway() -> None:
     assert len(lat.ttft_s) == 30 and lat.ttft_s == pytest.approx(np.full(30, 1.5), abs=0.05)
     assert lat.tpot_s == pytest.approx(np.full(30, 0.5 / 210), abs=0.05 / 210)
     assert len(meter.observe().latency["phi-4"].ttft_s) == 0  # nothing new since
+    slow = TrafficMeter(SC, gw, time_scale=4.0)  # engines slowed 4x: 4x the rate and 1/4 of the latency seen
+    slow.observe()
+    start = time.perf_counter() - 2.0
+    gw.record("phi-4", start, start + 1.5, "ok")
+    seen = slow.observe()
+    assert seen.models["phi-4"].rate * seen.interval_s == pytest.approx(1)
+    assert seen.interval_s == pytest.approx((seen.end_s - seen.start_s) / 4)
+    assert seen.latency["phi-4"].ttft_s == pytest.approx([1.5 / 4], abs=0.05)
 
 
 def test_runtime_planner_follows_observed_traffic(phi_only, tmp_path) -> None:

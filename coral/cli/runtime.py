@@ -274,8 +274,8 @@ def register(app: typer.Typer) -> None:
         host: str = typer.Option("127.0.0.1"),
         port: int = typer.Option(8080),
         time_scale: float = typer.Option(
-            1.0, help="multiplies the emulated engines' perf-model delays (and slows the gateway's shedding "
-            "buckets alike)"),
+            1.0, help="multiplies the emulated engines' perf-model delays (the gateway's shedding buckets and the "
+            "re-planner's traffic readings go by the engines' time alike)"),
         interval: float = typer.Option(60.0, help="seconds between allocator runs"),
         market: str | None = typer.Option(
             None, help="market file or http(s) URL (a MarketSnapshot: offerings and availability), re-read every "
@@ -344,6 +344,7 @@ def register(app: typer.Typer) -> None:
         if store.notice:
             console.print(f"[yellow]warning:[/] {store.notice}")
         slos = load_scenario(scenario)
+        engine_time = time_scale if backend == "emulated" and time_scale > 0 else 1.0  # clock s per engine s
         engines: EmulatedBackend | VllmProcessBackend | CoralEngineBackend
         if backend == "emulated":
             engines = EmulatedBackend(time_scale=time_scale, scenario=slos, api_key=store.engine_token())
@@ -370,7 +371,7 @@ def register(app: typer.Typer) -> None:
             )
         if ray and backend != "coral":
             raise CoralInputError(f"--ray: runs the Coral engine (--backend coral), not --backend {backend}")
-        meter = TrafficMeter(slos)  # reads the gateway once build_runtime has made it
+        meter = TrafficMeter(slos, time_scale=engine_time)  # reads the gateway once build_runtime has made it
         if plan is not None:
             Plan.load(plan)  # fail now on a bad file
             plan_path = plan
@@ -417,7 +418,7 @@ def register(app: typer.Typer) -> None:
             ready_timeout_s=ready_timeout or (60.0 if backend == "emulated" else 600.0),
             scenario=slos, catalog=watcher.catalog if watcher is not None else lambda: scenario_market,
             limits=PlanLimits(max_instances, max_nodes),
-            shedder=Shedder.for_scenario(slos, time_scale if backend == "emulated" and time_scale > 0 else 1.0),
+            shedder=Shedder.for_scenario(slos, engine_time),
         )
         meter.gateway = gw_app.state.gateway
         if backend == "coral" and ray:

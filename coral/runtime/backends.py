@@ -96,7 +96,8 @@ class Watchdog:
 
 class EmulatedBackend:
     """One emulated engine server (uvicorn thread on loopback) per instance, timed as the simulator serves it with
-    `scenario`'s SLOs and request sizes (needed unless `time_scale` is 0); with `api_key`, its `/v1/*` answers only requests bearing it (the gateway's `upstream_api_key`)."""
+    `scenario`'s SLOs and request sizes (needed unless `time_scale` is 0); with `api_key`, its `/v1/*` answers
+    only requests bearing it (the gateway's `upstream_api_key`)."""
 
     def __init__(
         self,

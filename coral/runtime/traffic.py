@@ -19,11 +19,14 @@ class TrafficMeter:
     requests are demand too), token rates = requests × the scenario's mean prompt / output tokens (the gateway
     does not tokenize), and the latencies of the requests answered since — TTFT as the gateway measures it
     (first byte of the answer) and, for streamed answers, TPOT ≈ (latency − TTFT) ÷ (mean output tokens − 1).
-    Before a gateway is attached, and at the first reading, it returns the scenario's forecast (no window)."""
+    Before a gateway is attached, and at the first reading, it returns the scenario's forecast (no window). With
+    engines slowed by `time_scale` (`coral serve --backend emulated --time-scale K`), rates and latencies are in the
+    engines' time: K times the rates and 1/K of the latencies the clock shows (the interval, `interval_s`, too)."""
 
-    def __init__(self, scenario: Scenario, gateway: Any = None) -> None:
+    def __init__(self, scenario: Scenario, gateway: Any = None, time_scale: float = 1.0) -> None:
         self.scenario = scenario
         self.gateway = gateway
+        self.time_scale = time_scale
         self.epoch = 0
         self._last: tuple[float, dict[str, float], dict[str, float]] | None = None
 
@@ -49,7 +52,7 @@ class TrafficMeter:
         last, self._last = self._last, (now, requests, served)
         if last is None or now <= last[0]:
             return ObservedDemand(epoch, 0.0, 0.0, scenario_forecast(self.scenario))
-        span = now - last[0]
+        span = (now - last[0]) / self.time_scale
         models: dict[str, ModelDemand] = {}
         latency: dict[str, ObservedLatency] = {}
         for sm in self.scenario.models:
@@ -59,8 +62,8 @@ class TrafficMeter:
             new = int(served.get(m, 0.0) - last[2].get(m, 0.0))
             recent = self.gateway.recent.get(m)
             answered = list(recent.copy())[-new:] if recent is not None and new > 0 else []  # copy: atomic
-            e2e = np.array([a[0] for a in answered], dtype=float)
-            ttft = np.array([a[1] for a in answered], dtype=float)
+            e2e = np.array([a[0] for a in answered], dtype=float) / self.time_scale
+            ttft = np.array([a[1] for a in answered], dtype=float) / self.time_scale
             streamed = e2e > ttft
             tpot = np.where(streamed, (e2e - ttft) / max(sm.mean_output_tokens - 1.0, 1.0), np.nan)
             latency[m] = ObservedLatency(ttft, tpot)
