@@ -6,7 +6,7 @@ import itertools
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from coral.allocation import baselines, solver
@@ -542,6 +542,7 @@ def nodes_of(plan: Plan) -> dict[str, dict[str, int]]:
 
 
 @given(st.integers(0, 10_000), st.floats(0.05, 3.0), st.sampled_from(["cost", "goodput", "maxmin", "scaled"]))
+@example(3243, 0.125, "goodput")  # the reference's floor of 1e-6 for a kept model did not keep it (see below)
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 def test_allocator_matches_the_plain_formulation(seed: int, factor: float, mode: Mode) -> None:
     """Random small libraries × availability (factor × the unlimited plan's nodes, the headroom rule) × every
@@ -588,9 +589,10 @@ def test_allocator_matches_the_plain_formulation(seed: int, factor: float, mode:
         best = -(ref(objective="goodput", fraction=FAIRNESS * t_ref) or 0.0)
         if t_ref <= 0:  # not every model can have a share: the allocator keeps the models its coverage can above 0
             # (tests/test_scarcity.py checks how many; which ones among sets of that size is a tie-break), then
-            # the most goodput with them: the reference keeps the same models above 0
+            # the most goodput with them: the reference keeps the same models above 0 (by a floor of 1e-3: one of
+            # 1e-6 is within HiGHS's feasibility tolerance, and the reference served another model instead)
             kept = {m for m in models if all(s.served_fraction > 0 for s in plan.serving if s.model == m)}
-            best = -(ref(objective="goodput", fraction={(m, p): 1e-6 if m in kept else 0.0
+            best = -(ref(objective="goodput", fraction={(m, p): 1e-3 if m in kept else 0.0
                                                         for m in models for p in Phase}) or 0.0)
         assert goodput_of(plan) >= best * (1 - gap) - 1e-6 and least >= FAIRNESS * t_ref - 1e-6
         fractions = {(s.model, Phase(s.phase)): s.served_fraction * (1 - 1e-9) for s in plan.serving}
