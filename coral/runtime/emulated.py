@@ -205,14 +205,10 @@ class _PipelineEngine:
             self._prefill = [[_PrefillNode(self._kernel("prefill", c, st.layers), j, n, st.layers) for c in st.nodes]
                              for j, st in enumerate(self.spec.stages)]
         nodes = tuple(stage[p.pick()] for stage, p in zip(self._prefill, self.pickers, strict=True))
-        busiest = max(n.layers_per_nic for n in nodes)
-        if self.time_scale <= 0:
-            self.prefill_steps += 1
-            return busiest
         prompt = _Prompt(prompt_tokens, nodes, asyncio.get_running_loop().create_future())
         self._queue(nodes[0], [prompt, prompt_tokens])
         await prompt.done
-        return busiest
+        return max(n.layers_per_nic for n in nodes)
 
     def _queue(self, node: _PrefillNode, item: list[Any]) -> None:
         q = node.queue
@@ -253,26 +249,19 @@ class _PipelineEngine:
             if sender is not None:
                 busiest = max(sender, *(n.layers_per_nic for n in path))
                 kv_bytes = self._kv_tokens(prompt_tokens) * self.consts.kv_bytes_per_token_layer
-                await self._sleep(kv_bytes * busiest)
+                await asyncio.sleep(kv_bytes * busiest * self.time_scale)
             for n in path:
                 n.change(+1, ctx)
             try:
                 for i in range(output_tokens):
                     if i:
-                        await self._sleep(cycle_s(path))
+                        await asyncio.sleep(cycle_s(path) * self.time_scale)
                     yield
             finally:
                 for n in path:
                     n.change(-1, ctx)
         finally:
-            for n in path:
-                n.slots -= 1
-                n.kv_free += min(need, n.kv_cap)
-            self._admit()
-
-    async def _sleep(self, seconds: float) -> None:
-        if self.time_scale > 0 and seconds > 0:
-            await asyncio.sleep(seconds * self.time_scale)
+            self._release(path, need)
 
     async def _admitted(self, need: float) -> tuple[_DecodeNode, ...]:
         """Wait (FIFO) for a path with a free batch slot and KV room for `need` tokens on every stage."""
@@ -286,11 +275,15 @@ class _PipelineEngine:
             return await fut
         except asyncio.CancelledError:  # the client left: give back a path admitted meanwhile
             if fut.done() and not fut.cancelled():
-                for n in fut.result():
-                    n.slots -= 1
-                    n.kv_free += min(need, n.kv_cap)
-                self._admit()
+                self._release(fut.result(), need)
             raise
+
+    def _release(self, path: tuple[_DecodeNode, ...], need: float) -> None:
+        """Give back `path`'s batch slots and KV room held for `need` tokens, and admit who now fits."""
+        for n in path:
+            n.slots -= 1
+            n.kv_free += min(need, n.kv_cap)
+        self._admit()
 
     def _admit(self) -> None:
         """Admit waiting requests FIFO while the head fits; per stage the node the weighted round-robin picks
@@ -304,9 +297,9 @@ class _PipelineEngine:
                 continue
             free = [[i for i, n in enumerate(st) if n.slots < n.cap and n.kv_free >= min(need, n.kv_cap)]
                     for st in self._decode]
-            if not all(free) and self.time_scale > 0:
+            if not all(free):
                 return
-            idx = [p.pick_among(ok) if ok else p.pick() for p, ok in zip(self.pickers, free, strict=True)]
+            idx = [p.pick_among(ok) for p, ok in zip(self.pickers, free, strict=True)]
             path = tuple(st[i] for st, i in zip(self._decode, idx, strict=True))
             for n in path:
                 n.slots += 1
