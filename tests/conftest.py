@@ -4,6 +4,9 @@ The default run (`python -m pytest`, pyproject's `addopts`) is the fast tier: ev
 `vllm`, `browser` or `cluster`. `-m slow`, `-m vllm`, `-m browser`, `-m cluster` select a tier; `-m ""` runs them
 all (`.ci/run`). A tier that does not run here, not selected or missing its tool, is named with the command that
 installs what it needs.
+
+Also the engine tests' shared checkpoint: `ckpt`, a tiny 4-layer Llama with sharp logits (one per module), and
+`whole`, the whole model on it (a module that needs another checkpoint defines its own `ckpt`).
 """
 
 from __future__ import annotations
@@ -11,9 +14,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 from sky_check import INSTALL_HINT, sky_python
+
+if TYPE_CHECKING:
+    from coral.engine.reference import WholeModel
 
 
 @dataclass(frozen=True)
@@ -77,3 +84,18 @@ def pytest_report_collectionfinish(config: pytest.Config, start_path: Path, item
     if sky:
         lines.append(f"skypilot check: {status(sky, sky_python(), 'SkyPilot', INSTALL_HINT, '')}")
     return lines
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from coral.engine.tiny_model import TinyLlamaSpec, make_tiny_llama
+
+    return make_tiny_llama(tmp_path_factory.mktemp("ckpt") / "tiny",
+                           TinyLlamaSpec(num_hidden_layers=4, initializer_range=0.25))
+
+
+@pytest.fixture(scope="module")
+def whole(ckpt: Path) -> WholeModel:
+    from coral.engine.reference import WholeModel
+
+    return WholeModel(ckpt)

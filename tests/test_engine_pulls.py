@@ -18,9 +18,7 @@ import zmq
 
 from coral.engine.instance import CoralInstance, EngineConfig
 from coral.engine.layout import Layout
-from coral.engine.reference import WholeModel
 from coral.engine.scheduler import Request
-from coral.engine.tiny_model import TinyLlamaSpec, make_tiny_llama
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -29,17 +27,6 @@ DELAY_S = 2.0
 MAX_GAP_S = 1.0
 """The most a running request may wait for its next token meanwhile (a tiny-model decode step takes
 milliseconds; before, it waited DELAY_S)."""
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return make_tiny_llama(tmp_path_factory.mktemp("pulls") / "tiny",
-                           TinyLlamaSpec(num_hidden_layers=4, initializer_range=0.25))
-
-
-@pytest.fixture(scope="module")
-def whole(ckpt):
-    return WholeModel(ckpt)
 
 
 class SlowSource:

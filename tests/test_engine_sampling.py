@@ -218,17 +218,6 @@ def test_penalties_steer_greedy_and_the_history_grows_with_each_token():
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return make_tiny_llama(tmp_path_factory.mktemp("sampling") / "tiny",
-                           TinyLlamaSpec(num_hidden_layers=4, initializer_range=0.25))
-
-
-@pytest.fixture(scope="module")
-def whole(ckpt):
-    return WholeModel(ckpt)
-
-
-@pytest.fixture(scope="module")
 def url(ckpt):
     layout = Layout.of([1, 3], [["a"], ["b", "c"]], instance_id="s", model="tiny")  # DP: paths differ per request
     inst = CoralInstance(layout, ckpt, EngineConfig(local=True, kv_cache_gib=0.05)).start()
