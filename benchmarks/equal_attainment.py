@@ -26,7 +26,7 @@ import hashlib
 import json
 import multiprocessing
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +42,7 @@ from coral.allocation.plan import Plan
 from coral.catalog.loader import load_scenario, market_catalog
 from coral.catalog.schema import Scenario, TargetUtilization
 from coral.experiments.allocation import paper_imbalanced_rates, with_rates
-from coral.planning import SearchSettings, allocator_planner, homogeneous_subset, search_plan
+from coral.planning import SearchSettings, allocator_planner, homogeneous_subset, search_plan, slack_variants
 from coral.planning.slo_search import Evaluator, simulator_evaluator
 from coral.simulation.run import simulate
 from coral.templates.store import load_library
@@ -111,9 +111,10 @@ def imbalanced(scenario: Scenario) -> Scenario:
 
 def search_row(name: str, setting: str, sc: Scenario, method: str, planner: Callable[[Any], Plan],
                settings: SearchSettings, evaluate: Evaluator | None = None,
-               subset: Callable[[Any], Plan] | None = None) -> tuple[dict[str, Any], Plan | None]:
+               subset: Callable[[Any], Plan] | None = None, variants: Sequence[Callable[[Any], Plan]] = ()
+               ) -> tuple[dict[str, Any], Plan | None]:
     t0 = time.perf_counter()
-    res = search_plan(planner, sc, settings, evaluate=evaluate, subset=subset)
+    res = search_plan(planner, sc, settings, evaluate=evaluate, subset=subset, variants=variants)
     plan = res.plan
     slo = plan.slo if plan is not None else None
     return {
@@ -128,6 +129,8 @@ def search_row(name: str, setting: str, sc: Scenario, method: str, planner: Call
         "plan_sha": hashlib.sha256(plan.model_dump_json(include={"instances"}).encode()).hexdigest()[:16]
         if plan is not None else None,
         "rounds": len(res.rounds), "rounds_meeting_targets": sum(r.passed for r in res.rounds),
+        # which planner's round the plan came from: "subset" (homo-ilp's), "planner", "variant 1" (slack priced)
+        "chosen_trial": res.rounds[res.chosen].trial if res.chosen is not None else None,
         "safety_net": res.safety_net,  # None: the row depends on its inputs alone, not on the machine's load
         "seconds": time.perf_counter() - t0,
     }, plan
@@ -195,7 +198,9 @@ def main() -> None:
                 for method in args.method:
                     planner = allocator_planner(lib, sc, avail, method=METHODS[method])
                     subset = homogeneous_subset(lib, sc, avail, None, METHODS[method])
-                    row, plan_of_row = search_row(name, setting, sc, method, planner, settings, evaluate, subset)
+                    variants = slack_variants(lib, sc, avail, None, METHODS[method])
+                    row, plan_of_row = search_row(name, setting, sc, method, planner, settings, evaluate, subset,
+                                                  variants)
                     rows.append(row)
                     if plan_of_row is not None:
                         plan_of_row.save(plans / f"{name}.{setting}.{target:g}.{method}.json")

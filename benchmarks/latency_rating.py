@@ -5,9 +5,10 @@ homogeneous ILP's at equal demand.
 
 Per scenario and (model, phase): templates, templates kept (share of sampled requests within the SLO served alone
 ≥ the floor), the best share, the floor, whether the key is latency-bound, and the seconds the rating of the
-whole scenario took (once per library). Then, at the scenario's burst demand, Coral's cost plan and homo-ilp's:
-$/h, capacity planned per (model, phase), and each model's attainment on the tuning request sets (the same
-requests for both). Prints tables and writes out/benchmarks/latency_rating.json.
+whole scenario took (once per library). Then, at the scenario's burst demand, Coral's cost plan, Coral's plan
+pricing slack (the SLO search's variant, `SEARCH_SLACK`) and homo-ilp's: $/h, capacity planned per (model,
+phase), and each model's attainment on the tuning request sets (the same requests for all). Prints tables and
+writes out/benchmarks/latency_rating.json.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from coral.allocation.demand import run_length_s, scenario_demand
 from coral.allocation.latency import scenario_latency
 from coral.catalog.loader import load_scenario, market_catalog
 from coral.planning import SearchSettings
-from coral.planning.slo_search import simulator_evaluator
+from coral.planning.slo_search import SEARCH_SLACK, simulator_evaluator
 from coral.templates.store import load_library
 
 
@@ -60,6 +61,8 @@ def main() -> None:
         demand = scenario_demand(sc)
         evaluate = simulator_evaluator(sc, run_length_s(sc), cat)
         plans = {"coral": allocate(lib, sc, demand=demand, availability=avail, catalog=cat),
+                 "coral, slack priced": allocate(lib, sc, demand=demand, availability=avail, catalog=cat,
+                                                 slack=SEARCH_SLACK),
                  "homo-ilp": baselines.homo_ilp(lib, sc, demand=demand, availability=avail, catalog=cat)}
         seeds = SearchSettings().tune_seeds
         same = Table(title=f"{name}: at equal demand (the burst rule's), tuning sets {', '.join(map(str, seeds))}")

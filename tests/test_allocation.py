@@ -15,7 +15,7 @@ from coral.allocation.availability import headroom_availability
 from coral.allocation.demand import phase_demand, scenario_demand
 from coral.allocation.plan import Plan
 from coral.allocation.reference import joint_cost
-from coral.catalog.loader import builtin_catalog
+from coral.catalog.loader import CoralInputError, builtin_catalog
 from coral.catalog.schema import Scenario, ScenarioModel, TargetUtilization
 from coral.perf.model import Phase
 from coral.templates.dominance import _undominated_pairwise, undominated
@@ -250,6 +250,65 @@ def test_more_availability_and_templates_never_cost_more(seed: int, n_avail: int
     both = TemplateLibrary.from_templates(
         CONFIGS, [lib.template(i) for i in range(len(lib))] + [extra_lib.template(i) for i in range(len(extra_lib))], {})
     assert allocate(both, sc, availability=avail(n_avail), gap=1e-9).cost_per_hour <= base.cost_per_hour * (1 + 1e-9)
+
+
+# --- slack priced ----------------------------------------------------------------------------------------------
+def test_slack_priced_golden() -> None:
+    """Solved by hand. Prefill demand 500 tok/s; 1xL4 (100 tok/s, $0.8048/h) and 1xA10G (200 tok/s, $1.006/h) in
+    aws-us-east-2. Cost alone: 1 L4 + 2 A10G = 500 tok/s at $2.8168 (3 A10G: 600 at $3.018; 5 L4: $4.024).
+    Slack priced (15 % of demand, i.e. 75 tok/s, worth 0.8 x the cheapest rate $1.006/200 per tok/s): 1 L4 + 2
+    A10G carries none, so its objective is 2.8168 + 0.8 x 0.00503 x 75 = 3.1186, above 3 A10G's 3.018 (100 tok/s
+    of slack, all 75 valued): the plan $0.20/h dearer that carries 20 % more capacity wins. Decode (20 tok/s,
+    one 1xL4 of 1000) is the same in both."""
+    from coral.allocation.core import SlackPrice
+
+    rows = [template("a", Phase.PREFILL, {"1xL4": 1}, 100.0), template("a", Phase.PREFILL, {"1xA10G": 1}, 200.0),
+            template("a", Phase.DECODE, {"1xL4": 1}, 1000.0)]
+    lib = TemplateLibrary.from_templates(CONFIGS, rows, {})
+    sc = scenario(["a"])
+    demand = {("a", Phase.PREFILL): 500.0, ("a", Phase.DECODE): 20.0}
+
+    def prefill(plan: Plan) -> dict[str, int]:
+        got: dict[str, int] = {}
+        for inst in plan.instances:
+            if inst.phase == "prefill":
+                for c, n in inst.counts.items():
+                    got[c] = got.get(c, 0) + n
+        return got
+
+    plain = allocate(lib, sc, demand=demand, availability=UNLIMITED)
+    priced = allocate(lib, sc, demand=demand, availability=UNLIMITED, slack=SlackPrice(share=0.15, price=0.8))
+    assert prefill(plain) == {"1xL4": 1, "1xA10G": 2} and plain.cost_per_hour == pytest.approx(2.8168 + 0.8048)
+    assert prefill(priced) == {"1xA10G": 3} and priced.cost_per_hour == pytest.approx(3.018 + 0.8048)
+    assert any("slack priced" in n for n in priced.solve.notes)
+    # worth less than the $0.20/h it costs (0.5 x 0.00503 x 75 = 0.189): the cost plan stays
+    cheap = allocate(lib, sc, demand=demand, availability=UNLIMITED, slack=SlackPrice(share=0.15, price=0.5))
+    assert prefill(cheap) == {"1xL4": 1, "1xA10G": 2}
+    with pytest.raises(CoralInputError, match="slack price"):
+        SlackPrice(price=1.0)
+
+
+@given(st.integers(0, 10_000), st.integers(2, 8), st.floats(0.3, 3.0))
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_slack_priced_meets_demand_and_costs_at_most_its_worth_more(seed: int, n_avail: int, scale: float) -> None:
+    """Pricing slack keeps every demand met and availability respected, and costs no less than the cost optimum
+    and at most share x price more (its worth is at most share x price x Σ_k cheapest rate_k x D_k, which no
+    plan meeting the demand undercuts)."""
+    from coral.allocation.core import SlackPrice
+
+    models = ["a", "b"]
+    lib = random_library(seed, models, n=8)
+    sc = scenario(models, rates=[2.0, 1.0])
+    demand = demand_of(sc, scale)
+    slack = SlackPrice(share=0.15, price=0.8)
+    try:
+        plain = allocate(lib, sc, demand=demand, availability=avail(n_avail), gap=1e-9)
+    except InfeasibleDemand:
+        return
+    priced = allocate(lib, sc, demand=demand, availability=avail(n_avail), gap=1e-9, slack=slack)
+    check_plan(priced, avail(n_avail))
+    assert plain.cost_per_hour * (1 - 1e-6) <= priced.cost_per_hour
+    assert priced.cost_per_hour <= plain.cost_per_hour * (1 + slack.share * slack.price) + 1e-6
 
 
 def test_scale_down_is_never_penalised_and_scale_up_is() -> None:

@@ -168,9 +168,9 @@ def test_request_sample_is_the_tuning_part_and_deterministic() -> None:
 def test_at_equal_capacity_mixed_templates_attain_what_homogeneous_ones_do(core_lib: TemplateLibrary) -> None:
     """The rating is honest: phi-4's prefill pool with Coral's mixed pipeline (2 L4 stage + 2 L40S stage, the
     template its cost plan picks on core) attains, on each tuning set, what the 1xL40S pools on either side of its
-    capacity attain, interpolated at its capacity (the rest of the plan fixed). Coral's cheaper plans at equal
-    demand attain less only because they carry less capacity: a homogeneous plan's whole-instance rounding
-    leaves slack that the search buys back in Coral's plan (and `search_plan(subset=...)` bounds the result)."""
+    capacity attain, interpolated at its capacity (the rest of the plan fixed). The plain cost plan at equal
+    demand attains less only because it carries less capacity: a homogeneous plan's whole-instance rounding
+    leaves slack that the cost optimum trims (priced by the search's variant: the test below)."""
     sc = load_scenario("core")
     cat = market_catalog(sc)
     lib = core_lib
@@ -202,3 +202,28 @@ def test_at_equal_capacity_mixed_templates_attain_what_homogeneous_ones_do(core_
         assert c_lo < c_mix < c_hi
         expected = a_lo + (a_hi - a_lo) * (c_mix - c_lo) / (c_hi - c_lo)
         assert a_mix == pytest.approx(expected, abs=0.015), (seed, c_mix, a_mix, expected)
+
+
+def test_at_equal_demand_coral_pricing_slack_attains_what_homo_ilp_does(core_lib: TemplateLibrary) -> None:
+    """At the percentile rule's demand on core (what every search asks first), Coral's allocator as the search's
+    variant runs it (slack priced, `SEARCH_SLACK`) is no dearer than homo-ilp and attains, per model, at least
+    what homo-ilp's plan attains less the simulator's seed noise: two standard errors of the difference of the
+    two means over the three tuning sets. The plain cost optimum ($51.78/h against $52.29/h) fails it, measured:
+    gpt-oss-20b 92.9 % against 96.6 % (noise 1.1 points), planning 4.20x its prefill traffic where homo-ilp's
+    whole instances carry 4.58x (phi-4: 88.7 % against 92.2 %, 2.05x against 2.30x)."""
+    from coral.planning.slo_search import SEARCH_SLACK, SearchSettings
+
+    sc = load_scenario("core")
+    cat = market_catalog(sc)
+    demand = scenario_demand(sc)
+    homo = homo_ilp(core_lib, sc, demand=demand, availability="unlimited", catalog=cat)
+    coral = allocate(core_lib, sc, demand=demand, availability="unlimited", catalog=cat, slack=SEARCH_SLACK)
+    assert coral.cost_per_hour <= homo.cost_per_hour + 1e-6
+    evaluate = simulator_evaluator(sc, run_length_s(sc), cat)
+    seeds = SearchSettings().tune_seeds
+    got = {name: [evaluate(plan, seed, 1.0) for seed in seeds] for name, plan in (("coral", coral), ("homo", homo))}
+    for sm in sc.models:
+        c = np.array([r[sm.model].slo for r in got["coral"]])
+        h = np.array([r[sm.model].slo for r in got["homo"]])
+        noise = 2 * np.sqrt((c.var(ddof=1) + h.var(ddof=1)) / len(seeds))
+        assert c.mean() >= h.mean() - noise, (sm.model, c, h, noise)

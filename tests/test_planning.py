@@ -209,6 +209,28 @@ def test_search_with_a_subset_planner_is_never_dearer_than_the_subset_search() -
     assert [r.index for r in both.rounds] == list(range(len(both.rounds)))
 
 
+def test_variants_run_after_and_the_cheapest_passing_plan_of_every_trial_is_kept() -> None:
+    """Coral's search: the subset's rounds, the planner's, then each variant's (labelled, numbered on); the plan
+    kept is the cheapest that passed in any trial, here the variant's (a planner 20 % cheaper at equal demand
+    that attains the same), and never dearer than the subset's or the planner's own."""
+    def variant(demand: dict[tuple[str, Phase], float]) -> Plan:
+        plan = toy_planner(demand)
+        plan.method, plan.cost_per_hour = "variant", plan.cost_per_hour * 0.8
+        return plan
+
+    evaluate = toy_evaluator()
+    settings = SearchSettings(max_rounds=12)
+    plain = search_plan(toy_planner, toy_scenario(), settings, evaluate=evaluate, subset=toy_planner)
+    both = search_plan(toy_planner, toy_scenario(), settings, evaluate=evaluate, subset=toy_planner,
+                       variants=[variant])
+    assert plain.plan is not None and both.plan is not None and both.met and both.chosen is not None
+    assert [r.trial for r in both.rounds[:len(plain.rounds)]] == [r.trial for r in plain.rounds]
+    assert {r.trial for r in both.rounds} == {"subset", "planner", "variant 1"}
+    assert both.rounds[both.chosen].trial == "variant 1" and both.plan.method == "variant"
+    assert both.plan.cost_per_hour < plain.plan.cost_per_hour
+    assert [r.index for r in both.rounds] == list(range(len(both.rounds)))
+
+
 def test_a_search_whose_rounds_would_repeat_stops() -> None:
     """A planner that returns one fixed plan whatever is asked (as homo-greedy did at its cap), in a world where it
     never passes: once a round moves no bracket, the next would repeat it, so the search stops there instead of

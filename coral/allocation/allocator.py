@@ -272,11 +272,12 @@ def _start(ctx: _Context, problem: solver.Problem, layout: core.Layout, targets:
 
 
 def _solve_cost(ctx: _Context, fraction: float | np.ndarray, weights: np.ndarray | None, time_limit: float,
-                gap: float, prev: _Stage | None = None) -> _Stage:
-    """Least cost with capacity ≥ fraction·w·D per key, warm-started from the greedy plan or `prev`."""
+                gap: float, prev: _Stage | None = None, slack: core.SlackPrice | None = None) -> _Stage:
+    """Least cost with capacity ≥ fraction·w·D per key (capacity above it, up to `slack`'s share, priced),
+    warm-started from the greedy plan or `prev`."""
     w = weights if weights is not None else np.ones(len(ctx.demand))
     problem, layout = core.assemble(ctx.cols, ctx.market, ctx.demand * w, penalty_k=ctx.penalty_k,
-                                    min_fraction=fraction)
+                                    min_fraction=fraction, slack=slack)
     start = _start(ctx, problem, layout, ctx.demand * w * fraction, prev, w)
     nets: list[str] = []
     homo = _homogeneous_optimum(ctx, problem, layout, time_limit / 2, gap, nets)
@@ -382,16 +383,22 @@ def _stopped(stages: Mapping[str, solver.Outcome]) -> list[str]:
 
 
 def _report(ctx: _Context, out: solver.Outcome, extra_time: float = 0.0, notes: list[str] | None = None,
-            stages: Mapping[str, solver.Outcome] | None = None) -> SolveReport:
+            stages: Mapping[str, solver.Outcome] | None = None, slack: core.SlackPrice | None = None
+            ) -> SolveReport:
     """The plan's solve report: `out`'s, with the wall-clock safety net's hits in `out` and the earlier `stages`
     (`safety_net`, also noted first: a plan made when it hit depends on the machine's speed and load), and the
-    stages, `out` (the cost stage) included, that a limit stopped (`stopped`)."""
+    stages, `out` (the cost stage) included, that a limit stopped (`stopped`). With `slack`, the objective is
+    $/h less the priced slack's worth, and a note says so."""
     stages = stages or {}
     net = solver._nets(*(st.safety_net for st in stages.values()), out.safety_net)
     pre = [f"{len(ctx.cols)} candidate columns (template, region); {ctx.cols.dropped} removed by dominance, "
            "availability fit and latency (templates on which too few requests meet the SLO served alone)"
            ] if ctx.reduce else []
     pre += [b.words() for b in ctx.bound]
+    if slack is not None:
+        pre.append(f"slack priced: capacity above demand, up to {slack.share:.0%} of it per (model, phase), is worth "
+                   f"{slack.price:g} x the key's cheapest $/h per token/s; objective and bound are $/h plus the worth "
+                   "of the slack not carried")
     return SolveReport(status=out.status, objective=out.objective, bound=out.bound, gap=out.gap,
                        time_s=out.time_s + extra_time, n_variables=out.n_cols, n_constraints=out.n_rows,
                        notes=([f"safety net: {net}"] if net else []) + pre + (notes or []) + out.notes,
@@ -472,6 +479,7 @@ def allocate(
     method: str = "coral",
     fairness: float = FAIRNESS,
     latency: bool = True,
+    slack: core.SlackPrice | None = None,
 ) -> Plan:
     """Plan instances of `library` templates per region for `demand` (tokens/s per (model, phase); default: the
     scenario's, see `phase_demand`) under `availability` ({region: {config: nodes}}; None = the scenario's,
@@ -486,7 +494,9 @@ def allocate(
     (the paper's protocol) and minimises cost there. With `running` (a previous plan or {(template id, region):
     count}), starting an instance costs K·price extra (K = scenario.init_penalty_k). With `latency` (default), a
     (model, phase) only uses templates on which enough of its requests meet the SLO served alone
-    (`coral.allocation.latency`; latency-bound keys are named in the report's notes).
+    (`coral.allocation.latency`; latency-bound keys are named in the report's notes). With `slack` (cost mode),
+    capacity above demand is priced (`core.SlackPrice`): a plan that carries slack for little more is preferred
+    to one a little cheaper that trims it (the SLO search plans so: its demand is an estimate of a percentile).
 
     Deterministic: the solves stop on work limits (`coral.allocation.solver`), so the same inputs give the same
     plan on an idle or a loaded machine. `time_limit` (s) is only a wall-clock safety net for the whole call,
@@ -519,9 +529,9 @@ def allocate(
     notes: list[str] = []
     spent = 0.0
     if mode == "cost":
-        cost = _solve_cost(ctx, 1.0, None, left(), gap)
+        cost = _solve_cost(ctx, 1.0, None, left(), gap, slack=slack)
         if cost.out.x is not None:
-            return _plan(ctx, cost.out, cost.layout, "cost", _report(ctx, cost.out), method)
+            return _plan(ctx, cost.out, cost.layout, "cost", _report(ctx, cost.out, slack=slack), method)
         # a limit stopped it before any plan: the stages below decide, the max-min stage whether demand can be
         # met (when it serves every key in full, its plan is one), then the cost stage again, from that plan
         stages["cost (first)"], spent = cost.out, cost.out.time_s
@@ -569,14 +579,16 @@ def allocate(
         # each model's phases at the lesser of their shares: a request needs both, more of one phase is waste
         least = {m: min(f for (mm, _p), f in zip(ctx.keys, source.served, strict=True) if mm == m) for m, _p in ctx.keys}
         fraction, cost_weights = np.array([least[m] for m, _p in ctx.keys]) * (1 - 1e-9), None
-    cost = _solve_cost(ctx, fraction, cost_weights, left(), gap, prev=source)
+    cost = _solve_cost(ctx, fraction, cost_weights, left(), gap, prev=source,
+                       slack=slack if mode == "cost" else None)
     if cost.out.x is None:
         if source.out.x is None:
             raise _explain(ctx, mm, weights, left(), gap)
         notes.append(f"cost stage found no plan ({cost.out.status}): the previous stage's plan is kept")
         stages["stage 3 (cost)"] = cost.out
         cost = source
-    return _plan(ctx, cost.out, cost.layout, mode, _report(ctx, cost.out, spent, notes, stages), method, scale=scale)
+    return _plan(ctx, cost.out, cost.layout, mode, _report(ctx, cost.out, spent, notes, stages,
+                                                         slack if mode == "cost" else None), method, scale=scale)
 
 
 def _explain(ctx: _Context, mm: _Stage | None, weights: np.ndarray, time_limit: float, gap: float

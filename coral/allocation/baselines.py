@@ -93,16 +93,18 @@ def homogeneous_rows(library: TemplateLibrary) -> np.ndarray:
 
 def homo_ilp(library: TemplateLibrary, scenario: Scenario, *, demand: Mapping[DemandKey, float] | None = None,
              availability: core.Availability | str | None = None, catalog: Catalog | None = None,
-             mode: Mode = "cost", time_limit: float = 30.0, gap: float = 1e-4) -> Plan:
+             mode: Mode = "cost", time_limit: float = 30.0, gap: float = 1e-4,
+             slack: core.SlackPrice | None = None) -> Plan:
     """Coral's allocation ILP over the homogeneous templates only (module doc); raises `InfeasibleDemand` like
-    `allocate` in cost mode. Availability defaults to the scenario's, resolved with the full library."""
+    `allocate` in cost mode. Availability defaults to the scenario's, resolved with the full library; `slack` as
+    `allocate`'s."""
     catalog = catalog or market_catalog(scenario)
     if availability is None:
         availability = resolve_availability(scenario, library, catalog)
     rows = homogeneous_rows(library)
     # one subset object per library: what the allocator memoises per library (key rows, latency ratings) holds
     sub = allocate(library.memo(("homogeneous subset",), lambda: library.subset(rows)), scenario, demand=demand, availability=availability, catalog=catalog,
-                   mode=mode, time_limit=time_limit, gap=gap, method="homo-ilp")
+                   mode=mode, time_limit=time_limit, gap=gap, method="homo-ilp", slack=slack)
     keys, dem, market = _setup(library, scenario, demand, availability, catalog)
     region = {r: i for i, r in enumerate(market.regions)}
     tally: dict[tuple[int, int], int] = {}

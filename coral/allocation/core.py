@@ -30,6 +30,24 @@ Running = Mapping[tuple[int, str], int]
 GREEDY_PER_GROUP = 64
 
 
+@dataclass(frozen=True)
+class SlackPrice:
+    """Capacity above demand priced in the cost objective: up to `share` × a key's demand of surplus is worth
+    `price` × the key's cheapest $/h per token/s (its cheapest column's). With `price` < 1 no instance is bought
+    for its slack alone (any capacity costs at least the cheapest rate), but where whole instances make one plan
+    carry slack that another, a little cheaper, trims, the slack is kept when it costs under `price` of its
+    cheapest rate: the slack a coarser plan carries for free. Demand itself is always met in full."""
+
+    share: float = 0.15
+    price: float = 0.5
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.share <= 1:
+            raise CoralInputError(f"slack share: must be in [0, 1], not {self.share}")
+        if not 0 <= self.price < 1:
+            raise CoralInputError(f"slack price: must be in [0, 1) of the cheapest rate, not {self.price}")
+
+
 @dataclass
 class Market:
     """Regions × library configs: $/node-hour (inf where not offered or not a scenario config) and node counts
@@ -247,6 +265,8 @@ class Layout:
     share_parent: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     share_class: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     served_col: dict[int, int] = field(default_factory=dict)  # key -> its served fraction f_k (goodput)
+    priced_col: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # priced slack (`SlackPrice`)
+    priced_row: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # ... and its demand row
 
 
 def assemble(
@@ -260,6 +280,7 @@ def assemble(
     min_fraction: float | np.ndarray | None = None,
     served_group: np.ndarray | None = None,
     gain: np.ndarray | None = None,
+    slack: SlackPrice | None = None,
 ) -> tuple[Problem, Layout]:
     """The MILP of `cols` (w = `weights`, default 1; `min_fraction` a number or one per key, default 1):
     "cost" min $/h (+ scale-up penalty; `penalty_k` None disables it) with capacity ≥ min_fraction·w·D;
@@ -270,7 +291,11 @@ def assemble(
     whenever some solution is.
 
     A key with request classes (`cols.split`) has one demand row per class, and every column j of it a share
-    variable s_jc ≥ 0 per class it can run (T_jc > 0): Σ_c s_jc ≤ x_j and Σ_j T_jc s_jc ≥ split_c·D."""
+    variable s_jc ≥ 0 per class it can run (T_jc > 0): Σ_c s_jc ≤ x_j and Σ_j T_jc s_jc ≥ split_c·D.
+
+    With `slack` (cost only), every demand row asks (1 + share)·D and gets a priced slack column v ∈ [0, share·D]
+    at price × the key's cheapest $/h per token/s: capacity ≥ D stays a hard requirement, and each token/s above
+    it, up to share·D, lowers the objective by that price (`SlackPrice`)."""
     n = len(cols)
     maxmin = objective != "cost"  # capacity rows against a served-fraction variable, no artificial slack
     weights = weights if weights is not None else np.ones(len(demand))
@@ -287,7 +312,9 @@ def assemble(
         served_col = {k: n + n_pen + first[int(group_of[k])] for k in keys}
     n_served = len(set(served_col.values()))
     n_slack = 0 if maxmin else len(items)
-    share_start = n + n_pen + (1 if t_col is not None else 0) + n_served + n_slack
+    slack = None if maxmin else slack
+    n_priced = len(items) if slack is not None else 0
+    share_start = n + n_pen + (1 if t_col is not None else 0) + n_served + n_slack + n_priced
     on_class = np.isin(cols.key, list(cols.split)) if cols.split else np.zeros(n, dtype=bool)
     if cols.class_thr is not None:
         share_parent, share_class = np.nonzero((cols.class_thr > 0) & on_class[:, None])
@@ -308,6 +335,8 @@ def assemble(
         rating = np.minimum(rating, np.where(cols.class_thr > 0, cols.class_thr, np.inf).min(axis=1))
     big = 1e6 * float(max((cols.cost / rating).max(initial=1.0), 1.0))
     item_target: list[float] = []
+    priced_row: list[int] = []
+    grow = 1.0 + (slack.share if slack is not None else 0.0)
     for i, (k, c) in enumerate(items):
         r = len(lower)
         frac = 1.0 if c < 0 else float(cols.split[k][c])
@@ -329,11 +358,13 @@ def assemble(
             ev.append(np.array([-demand[k] * frac * (weights[k] if t_col is not None else 1.0)]))
             lower.append(0.0)
         else:
-            er.append(np.array([r]))
-            ec.append(np.array([n + n_pen + i]))
-            ev.append(np.array([1.0]))
-            lower.append(float(target[k] * frac))
+            own = np.array([n + n_pen + i] + ([n + n_pen + n_slack + i] if slack is not None else []))
+            er.append(np.full(len(own), r))
+            ec.append(own)
+            ev.append(np.ones(len(own)))
+            lower.append(float(target[k] * frac * grow))
             item_target.append(float(target[k] * frac))
+            priced_row.append(r)
         upper.append(np.inf)
     group_floor: dict[int, float] = {}
     for k, col in served_col.items():
@@ -407,7 +438,15 @@ def assemble(
         protected[n:n + n_pen] = True
         for i, tgt in enumerate(item_target):
             s = n + n_pen + i
-            cost[s], ub[s], artificial[s] = big, tgt, True
+            cost[s], ub[s], artificial[s] = big, tgt * grow, True
+        if slack is not None:
+            rate = np.full(len(demand), np.inf)
+            np.minimum.at(rate, cols.key, np.where(cols.throughput > 0, cols.cost / np.where(
+                cols.throughput > 0, cols.throughput, 1.0), np.inf))
+            for i, ((k, _c), tgt) in enumerate(zip(items, item_target, strict=True)):
+                s = n + n_pen + n_slack + i
+                cost[s] = slack.price * (float(rate[k]) if np.isfinite(rate[k]) else 0.0)
+                ub[s] = slack.share * tgt
     elif t_col is not None:
         cost[t_col], ub[t_col], protected[t_col] = -1.0, 1.0, True
     else:
@@ -426,8 +465,9 @@ def assemble(
                       np.array(lower), np.array(upper), protected, score, group, artificial, parent)
     pen_of = np.full(n, -1, dtype=np.int64)
     pen_of[running] = n + np.arange(n_pen)
+    priced = n + n_pen + n_slack + np.arange(n_priced, dtype=np.int64)
     return problem, Layout(n, pen_of, t_col, demand_rows, avail_rows, n_vars, class_rows, avail_row0, share_start,
-                           share_parent, share_class, served_col)
+                           share_parent, share_class, served_col, priced, np.array(priced_row[:n_priced], dtype=np.int64))
 
 
 CUTS_PER_KEY = 6
@@ -564,7 +604,8 @@ def full_start(x: np.ndarray, problem: Problem, layout: Layout, cols: Columns, p
                shares: np.ndarray | None = None) -> np.ndarray:
     """Extend an instance vector to all variables of `problem`: class shares as given (default: each instance
     serves its key's class mix in proportion), penalties at their minimum, served fractions 0 (the allocator's
-    `_with_served` sets them from the capacity), no slack."""
+    `_with_served` sets them from the capacity), no artificial slack, priced slack (`SlackPrice`) where the
+    capacity falls short of (1 + share)·D."""
     v = np.zeros(problem.n)
     v[:layout.n_x] = x
     if shares is not None:
@@ -576,6 +617,10 @@ def full_start(x: np.ndarray, problem: Problem, layout: Layout, cols: Columns, p
                                           x[j] * cols.throughput[j] * split / cols.class_thr[j, c], 0.0)
     run = np.flatnonzero(layout.penalty_of >= 0)
     v[layout.penalty_of[run]] = (penalty_k or 0.0) * cols.cost[run] * np.maximum(0.0, x[run] - cols.running[run])
+    if len(layout.priced_col):
+        ax = np.bincount(problem.entry_row, problem.entry_val * v[problem.entry_col], minlength=len(problem.row_lower))
+        short = problem.row_lower[layout.priced_row] - ax[layout.priced_row]
+        v[layout.priced_col] = np.clip(short, 0.0, problem.upper[layout.priced_col])
     return v
 
 

@@ -39,6 +39,8 @@ if TYPE_CHECKING:
 STARTUP_DELAY_S = 300.0
 #: exit code of a run whose Coral plan missed a target (on its tuning or held-out requests), without --allow-miss
 MISSED_EXIT_CODE = 3
+#: whose rounds a search's plan came from (`coral.planning.search_plan`'s trial labels), in words
+TRIALS = {"subset": "homo-ilp's rounds", "planner": "its own rounds", "variant 1": "its rounds pricing slack"}
 
 
 def register(app: typer.Typer) -> None:
@@ -98,7 +100,13 @@ def run_cmd(
     from coral.allocation.demand import run_length_s
     from coral.allocation.forecast import DemandForecaster, LatencyCorrection
     from coral.perf.model import Phase
-    from coral.planning import SearchSettings, allocator_planner, homogeneous_subset, search_plan
+    from coral.planning import (
+        SearchSettings,
+        allocator_planner,
+        homogeneous_subset,
+        search_plan,
+        slack_variants,
+    )
     from coral.planning.slo_search import score, simulator_evaluator, with_traffic
     from coral.report import build_report
     from coral.report.adapters import inputs_from_sim, method_result
@@ -141,15 +149,18 @@ def run_cmd(
             watch = SearchStatus(name, status, console, evaluate)
             result = search_plan(allocator_planner(lib, sc, avail, cat, method=method), sc, settings,
                                  catalog=cat, evaluate=watch.evaluate, progress=watch.show,
-                                 subset=homogeneous_subset(lib, sc, avail, cat, method))
+                                 subset=homogeneous_subset(lib, sc, avail, cat, method),
+                                 variants=slack_variants(lib, sc, avail, cat, method))
         if result.plan is None:
             raise CoralInputError(f"{name}: no plan in any round of the search: "
                                   + "; ".join(r.note for r in result.rounds if r.note))
         result.plan.method = name
         plans[name] = result.plan
         results[name] = result
+        chosen = result.rounds[result.chosen].trial if result.chosen is not None else ""
         console.print(f"{name}: {len(result.rounds)} rounds in {result.wall_s:.0f} s -> "
-                      f"${result.plan.cost_per_hour:,.2f}/h")
+                      f"${result.plan.cost_per_hour:,.2f}/h" + (f" (round {result.chosen + 1}, {TRIALS[chosen]})"
+                                                               if result.chosen is not None and chosen in TRIALS else ""))
     plan = plans["coral"]
     misses = coral_misses(results["coral"])
     nets = {name: r.safety_net for name, r in results.items() if r.safety_net}
@@ -241,6 +252,8 @@ def run_cmd(
             "missed": misses,  # Coral's plan: why it is not one that met every target (empty: it met them all)
             "safety_net": nets,  # per method whose search (or a solve in it) a wall-clock safety net stopped
             "rounds": {name: len(r.rounds) for name, r in results.items()},
+            # whose round each method's plan is: "subset" (homo-ilp's), "planner", "variant 1" (slack priced)
+            "chosen_trial": {name: r.rounds[r.chosen].trial for name, r in results.items() if r.chosen is not None},
         }
         (work / "summary.json").write_text(json.dumps(summary, indent=2))
     report = folder / "report.html"

@@ -275,7 +275,13 @@ def at_target_rows(setting: str, lib: TemplateLibrary, sc: Scenario, avail: dict
     Coral's also runs homo-ilp's rounds, so it is never dearer), or, where the market cannot hold one, its
     most-goodput plan (`most_goodput`); each scored by the `judge` on held-out requests. `settings`: the search's
     (default: its own defaults, as `coral run`)."""
-    from coral.planning import SearchSettings, allocator_planner, homogeneous_subset, search_plan
+    from coral.planning import (
+        SearchSettings,
+        allocator_planner,
+        homogeneous_subset,
+        search_plan,
+        slack_variants,
+    )
     from coral.planning.slo_search import simulator_evaluator
 
     settings = settings or SearchSettings()
@@ -286,7 +292,8 @@ def at_target_rows(setting: str, lib: TemplateLibrary, sc: Scenario, avail: dict
         say = (lambda line, m=method: progress(f"{setting}, {m}: {line}")) if progress else None
         t0 = time.perf_counter()
         res = search_plan(allocator_planner(lib, sc, avail, catalog, fn), sc, settings, catalog=catalog,
-                          evaluate=evaluate, progress=say, subset=homogeneous_subset(lib, sc, avail, catalog, fn))
+                          evaluate=evaluate, progress=say, subset=homogeneous_subset(lib, sc, avail, catalog, fn),
+                          variants=slack_variants(lib, sc, avail, catalog, fn))
         at_target = res.plan is not None and res.tuned_passed
         plan = res.plan if at_target and res.plan is not None else most_goodput(method, lib, sc, avail, catalog,
                                                                                 time_limit)

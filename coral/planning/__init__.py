@@ -7,6 +7,7 @@ from coral.planning.slo_search import (
     allocator_planner,
     homogeneous_subset,
     search_plan,
+    slack_variants,
 )
 
-__all__ = ["SearchResult", "SearchSettings", "allocator_planner", "homogeneous_subset", "search_plan"]
+__all__ = ["SearchResult", "SearchSettings", "allocator_planner", "homogeneous_subset", "search_plan", "slack_variants"]

@@ -34,7 +34,11 @@ Capacity only where it helps: a key that missed in three or more rounds while it
 `UNRESPONSIVE_GROWTH`× since its first miss, with under `RESPONSE` of its phase's shortfall made up, stops
 drawing capacity (its bracket is settled where it stands) and the plan's notes say why: its misses are latency,
 not load. With a `subset` planner (Coral's search: the homogeneous ILP), the subset's own rounds run first and
-the cheapest passing plan of both is kept, so the result is never dearer than the subset's search.
+the cheapest passing plan of both is kept, so the result is never dearer than the subset's search. With
+`variants` (Coral's search: its allocator pricing slack, `SEARCH_SLACK`), each variant's rounds run after, the
+same way, and the cheapest passing plan of every trial is kept: the plain cost optimum trims the slack a
+coarser plan carries for free, the priced one keeps it where it costs under 0.8 of its cheapest rate, and
+which of the two is the cheaper at the target depends on the market, so the search tries both.
 
 Then the chosen plan is scored on the held-out request sets (other seeds, reading the held-out half of every
 trace, which the tuning sets never read): a model's held-out
@@ -49,12 +53,12 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import astuple, dataclass, field
 
 from coral.allocation.allocator import InfeasibleDemand, allocate
 from coral.allocation.baselines import homo_ilp
-from coral.allocation.core import Availability
+from coral.allocation.core import Availability, SlackPrice
 from coral.allocation.demand import TUNING_SEED, DemandKey, headroom, run_length_s, scenario_traffic
 from coral.allocation.plan import Plan, SloCheck
 from coral.catalog.loader import Catalog
@@ -128,6 +132,7 @@ class Round:
     passed: bool
     note: str = ""
     wall_s: float = 0.0
+    trial: str = ""  # the planner whose round it is (`search_plan`: "subset", "planner", "variant 1", ...)
 
 
 @dataclass
@@ -162,10 +167,20 @@ class _Bracket:
         return self.hi is not None and self.hi <= self.lo * tolerance
 
 
+#: slack the search's slack-priced variant of Coral's allocator prices (`coral.allocation.core.SlackPrice`): the
+#: demand it is asked is an estimate of a percentile, so capacity above it is worth keeping where whole instances
+#: carry it for little (README "Slack priced", `tests/test_slack.py`)
+SEARCH_SLACK = SlackPrice(share=0.15, price=0.8)
+
+
 def allocator_planner(library: TemplateLibrary, scenario: Scenario, availability: Availability | str | None,
-                      catalog: Catalog | None = None, method: Callable[..., Plan] = allocate) -> Planner:
-    """demand -> plan with `method` (the allocator, or a baseline with the same keyword interface)."""
-    return lambda demand: method(library, scenario, demand=demand, availability=availability, catalog=catalog)
+                      catalog: Catalog | None = None, method: Callable[..., Plan] = allocate,
+                      slack: SlackPrice | None = None) -> Planner:
+    """demand -> plan with `method` (the allocator, or a baseline with the same keyword interface), pricing
+    `slack` (the allocator and homo-ilp only)."""
+    extra = {} if slack is None else {"slack": slack}
+    return lambda demand: method(library, scenario, demand=demand, availability=availability, catalog=catalog,
+                                 **extra)
 
 
 def homogeneous_subset(library: TemplateLibrary, scenario: Scenario, availability: Availability | str | None,
@@ -173,6 +188,17 @@ def homogeneous_subset(library: TemplateLibrary, scenario: Scenario, availabilit
     """The `subset` planner of `search_plan` for `method`: the homogeneous ILP when `method` is Coral's allocator
     (its search first runs that one's rounds, so its plan is never dearer), None for any other method."""
     return allocator_planner(library, scenario, availability, catalog, homo_ilp) if method is allocate else None
+
+
+def slack_variants(library: TemplateLibrary, scenario: Scenario, availability: Availability | str | None,
+                   catalog: Catalog | None, method: Callable[..., Plan]) -> list[Planner]:
+    """The `variants` of `search_plan` for `method`: for Coral's allocator, itself pricing `SEARCH_SLACK` (its
+    rounds run after the plain allocator's, and the cheapest passing plan of all is kept); none otherwise
+    (homo-ilp's search priced so ended dearer than its plain one on core, at ≥ 90 %: $57.87 against $56.01/h
+    with the market unlimited, $135.03 against $129.36/h with 4 L40S GPUs; and Coral's search runs homo-ilp's
+    rounds, which it must contain to be never dearer)."""
+    return [allocator_planner(library, scenario, availability, catalog, allocate, SEARCH_SLACK)] if (
+        method is allocate) else []
 
 
 def simulator_evaluator(scenario: Scenario, duration_s: float, catalog: Catalog | None = None,
@@ -246,8 +272,10 @@ RESPONSE = 0.25
 
 
 def _run_rounds(planner: Planner, scenario: Scenario, cfg: SearchSettings, start: Mapping[DemandKey, float],
-                evaluate: Evaluator, say: Progress, t0: float, max_rounds: int, first_index: int = 0) -> _Trial:
-    """Rounds of the bracket search (module doc) from headroom `start`, numbered from `first_index`."""
+                evaluate: Evaluator, say: Progress, t0: float, max_rounds: int, first_index: int = 0,
+                label: str = "planner") -> _Trial:
+    """Rounds of the bracket search (module doc) from headroom `start`, numbered from `first_index`, each
+    labelled `label`."""
     traffic = scenario_traffic(scenario)
     keys = [k for k, v in traffic.items() if v > 0]
     target = {sm.model: sm.slo_attainment for sm in scenario.models}
@@ -275,7 +303,8 @@ def _run_rounds(planner: Planner, scenario: Scenario, cfg: SearchSettings, start
                     cap[k] = min(cap.get(k, math.inf), brackets[k].h)
                     b = brackets[k]
                     b.h = max(b.lo, math.sqrt(b.lo * b.h)) if b.h > b.lo * cfg.tolerance else b.lo
-            rounds.append(Round(index, h, None, {}, False, f"infeasible: {exc}", time.perf_counter() - t_round))
+            rounds.append(Round(index, h, None, {}, False, f"infeasible: {exc}", time.perf_counter() - t_round,
+                                label))
             say(f"round {index + 1}: no plan (availability)")
             if all(b.h <= b.lo for b in brackets.values()):
                 break
@@ -284,7 +313,8 @@ def _run_rounds(planner: Planner, scenario: Scenario, cfg: SearchSettings, start
         att = {m: a.slo for m, a in result.items()}
         ok = {m: 1.0 - att.get(m, 0.0) <= (1.0 - target[m]) * (1.0 - cfg.margin) for m in target}
         passed = all(ok.values())
-        rounds.append(Round(index, h, plan.cost_per_hour, att, passed, wall_s=time.perf_counter() - t_round))
+        rounds.append(Round(index, h, plan.cost_per_hour, att, passed, wall_s=time.perf_counter() - t_round,
+                            trial=label))
         plans[index] = plan
         worst = min(att.get(m, 0.0) - target[m] for m in target)
         if trial.closest is None or worst > trial.closest[0]:
@@ -370,13 +400,16 @@ def search_plan(
     evaluate: Evaluator | None = None,
     progress: Progress | None = None,
     subset: Planner | None = None,
+    variants: Sequence[Planner] = (),
 ) -> SearchResult:
     """The cheapest plan found whose simulated attainment meets every model's `slo_attainment` on the tuning
     requests, scored on held-out ones, with per-model verdicts (module doc). With `subset` (a planner over a
     subset of `planner`'s columns, e.g. the homogeneous templates), the search first runs the rounds `subset`'s
     own search would run, then `planner`'s, and keeps the cheapest plan of either that passed: never dearer
     than the subset's search. (`planner`'s rounds start from the burst factors, not from where the subset's
-    ended: in one version of this change, continuing from there found a dearer plan on core at 90 %.)"""
+    ended: in one version of this change, continuing from there found a dearer plan on core at 90 %.) Each of
+    `variants` (e.g. `planner` pricing slack, `slack_variants`) then runs its own rounds the same way, and the
+    cheapest passing plan of every trial is kept."""
     cfg = settings or SearchSettings()
     t0 = time.perf_counter()
     say = progress or (lambda _: None)
@@ -389,9 +422,13 @@ def search_plan(
     if subset is not None:
         say("first the rounds of the subset's own search (Coral's: the homogeneous ILP's); the plan chosen is "
             "never dearer than theirs")
-        trials.append(_run_rounds(subset, scenario, cfg, start, evaluate, say, t0, max_rounds))
+        trials.append(_run_rounds(subset, scenario, cfg, start, evaluate, say, t0, max_rounds, label="subset"))
     trials.append(_run_rounds(planner, scenario, cfg, start, evaluate, say, t0, max_rounds,
                               sum(len(t.rounds) for t in trials)))
+    for i, variant in enumerate(variants, 1):
+        say(f"then the rounds of variant {i} of the planner (Coral's: the allocator pricing slack)")
+        trials.append(_run_rounds(variant, scenario, cfg, start, evaluate, say, t0, max_rounds,
+                                  sum(len(t.rounds) for t in trials), label=f"variant {i}"))
     rounds = [r for t in trials for r in t.rounds]
     plans = {i: p for t in trials for i, p in t.plans.items()}
     cap: dict[DemandKey, float] = {}
