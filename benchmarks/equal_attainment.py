@@ -155,7 +155,8 @@ def main() -> None:
                     help="rounds per search, its budget (default: the search's, 14 for 3 models, 17 for extended)")
     ap.add_argument("--budget", type=float, default=None,
                     help="wall-clock safety net per search, s, checked between rounds (default: the search's, 480 "
-                         "for 3 models, 1920 for extended); a row it stopped records it in safety_net")
+                         "for 3 models, 1920 for extended, x1.5 for Coral's three trials); a row it stopped records "
+                         "it in safety_net")
     ap.add_argument("--library-dir", type=Path, default=Path("out"))
     ap.add_argument("--out", type=Path, default=Path("out/benchmarks"))
     ap.add_argument("--name", default="equal_attainment", help="JSON file name (without .json)")

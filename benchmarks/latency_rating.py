@@ -1,14 +1,15 @@
 """The latency rating (`coral.allocation.latency`): what it keeps, what it costs, and Coral's plan against the
 homogeneous ILP's at equal demand.
 
-    python benchmarks/latency_rating.py [--scenario core extended] [--library-dir out]
+    python benchmarks/latency_rating.py [--scenario core extended] [--library-dir out] [--market best-gpu-4]
 
 Per scenario and (model, phase): templates, templates kept (share of sampled requests within the SLO served alone
 ≥ the floor), the best share, the floor, whether the key is latency-bound, and the seconds the rating of the
 whole scenario took (once per library). Then, at the scenario's burst demand, Coral's cost plan, Coral's plan
 pricing slack (the SLO search's variant, `SEARCH_SLACK`) and homo-ilp's: $/h, capacity planned per (model,
 phase), and each model's attainment on the tuning request sets (the same requests for all). Prints tables and
-writes out/benchmarks/latency_rating.json.
+writes out/benchmarks/latency_rating.json (`--market best-gpu-N`: the comparison in `equal_attainment.py`'s market
+of N best GPUs, written to latency_rating.best-gpu-N.json).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from _console import table_console  # benchmarks/_console.py
+from equal_attainment import best_gpu_market  # benchmarks/equal_attainment.py
 from rich.table import Table
 
 from coral.allocation import baselines
@@ -37,6 +39,7 @@ def main() -> None:
     ap.add_argument("--scenario", nargs="+", default=["core", "extended"])
     ap.add_argument("--library-dir", type=Path, default=Path("out"))
     ap.add_argument("--out", type=Path, default=Path("out/benchmarks"))
+    ap.add_argument("--market", default="default", help="default (the scenario's) | best-gpu-N (equal_attainment.py's)")
     args = ap.parse_args()
     console = table_console()
     report: dict[str, Any] = {}
@@ -57,7 +60,8 @@ def main() -> None:
             keys.add_row(f"{m}/{p.value}", f"{len(kl.rows):,}", f"{len(kl.kept):,}", f"{kl.best:.1%}",
                          f"{kl.floor:.1%}", "yes" if kl.bound else "no")
         console.print(keys)
-        avail = resolve_availability(sc, lib, cat)
+        avail = (best_gpu_market(sc, int(args.market.split("-")[-1])) if args.market.startswith("best-gpu-")
+                 else resolve_availability(sc, lib, cat))
         demand = scenario_demand(sc)
         evaluate = simulator_evaluator(sc, run_length_s(sc), cat)
         plans = {"coral": allocate(lib, sc, demand=demand, availability=avail, catalog=cat),
@@ -65,7 +69,8 @@ def main() -> None:
                                                  slack=SEARCH_SLACK),
                  "homo-ilp": baselines.homo_ilp(lib, sc, demand=demand, availability=avail, catalog=cat)}
         seeds = SearchSettings().tune_seeds
-        same = Table(title=f"{name}: at equal demand (the burst rule's), tuning sets {', '.join(map(str, seeds))}")
+        same = Table(title=f"{name}, market {args.market}: at equal demand (the burst rule's), tuning sets "
+                           f"{', '.join(map(str, seeds))}")
         for col in ("method", "$/h", "model", "prefill capacity tok/s", "decode capacity tok/s", "attainment per set"):
             same.add_column(col, justify="left" if col in ("method", "model") else "right")
         equal: dict[str, Any] = {}
@@ -81,7 +86,7 @@ def main() -> None:
         console.print(same)
         report[name] = {"rating_seconds": seconds, "keys": rows, "equal_demand": equal}
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / "latency_rating.json"
+    path = args.out / ("latency_rating.json" if args.market == "default" else f"latency_rating.{args.market}.json")
     path.write_text(json.dumps(report, indent=1))
     console.print(f"wrote {path}")
 

@@ -199,6 +199,10 @@ def test_default_rounds_grow_with_the_models() -> None:
     assert default_rounds(load_scenario("core")) == 14
     assert default_rounds(load_scenario("extended")) == 17
     assert slo_search.default_budget_s(load_scenario("core")) == 480.0
+    # Coral's search: homo-ilp's trial, its own and its slack-priced one
+    assert slo_search.default_budget_s(load_scenario("core"), 3) == 720.0
+    assert slo_search.default_budget_s(load_scenario("extended"), 3) == 2880.0
+    assert slo_search.default_budget_s(load_scenario("core"), 1) == 480.0
 
 
 # --- (c) `coral run` on a missed target ------------------------------------------------------------------------

@@ -79,7 +79,8 @@ def run_cmd(
     budget: float | None = typer.Option(None, help="wall-clock safety net of each method's SLO search, s, checked "
                                         "between rounds: the search's budget is --rounds, so a plan does not depend "
                                         "on the machine's load unless this stops it, which the run reports (default: "
-                                        "480 for 3 models, growing with their square: 1920 for extended)"),
+                                        "480 for 3 models, growing with their square: 1920 for extended; half as much again for each search "
+                                        "trial beyond two: Coral's search, with its slack-priced trial, 720 and 2880)"),
     allow_miss: bool = typer.Option(False, "--allow-miss", help=f"exit 0 even when Coral's plan misses a target "
                                     f"(default: exit {MISSED_EXIT_CODE})"),
     baselines: str = typer.Option(

@@ -26,7 +26,7 @@ when a round moved no bracket (the next would ask the same demand and get the sa
 `max_rounds` rounds (default `default_rounds`: 14 for 3 models, one more per model beyond). The budget
 is rounds, not seconds, so the same inputs give the same rounds and plan on an idle or a loaded machine: no
 decision of the search reads the clock. `time_budget_s` (default `default_budget_s`, 4x the seconds the rounds
-take on 2 cores) is a wall-clock safety net only, checked before each round; when it stops the search, or the
+take on 2 cores, more with more trials) is a wall-clock safety net only, checked before each round; when it stops the search, or the
 allocator's own safety net stops a round's solve, `SearchResult.safety_net` and the plan's `slo.safety_net` say
 so, since the result then depends on the machine's speed and load.
 
@@ -95,11 +95,14 @@ def default_rounds(scenario: Scenario) -> int:
     return 14 + max(0, len(scenario.models) - 3)
 
 
-def default_budget_s(scenario: Scenario) -> float:
+def default_budget_s(scenario: Scenario, trials: int = 2) -> float:
     """The search's wall-clock safety net by default (not its budget: that is `default_rounds`): 4x the seconds
-    its rounds take on 2 shared cores, growing with the square of the models (more rounds, each simulating and
-    planning more models), at most 36 minutes: core 480 s, extended 1920 s."""
-    return min(2160.0, 480.0 * (len(scenario.models) / 3) ** 2)
+    the rounds of up to two trials (a subset's and a planner's) take on 2 shared cores, growing with the square of
+    the models (more rounds, each simulating and planning more models), at most 36 minutes: core 480 s,
+    extended 1920 s; half as much again for every trial beyond two (Coral's search with its slack-priced
+    variant: core 720 s, extended 2880 s, which its extended search with 4 H100 GPUs at ≥ 99 % ran past at
+    1920 s on a loaded machine)."""
+    return min(2160.0, 480.0 * (len(scenario.models) / 3) ** 2) * max(1.0, trials / 2)
 
 #: share of requests kept when measuring the ceiling (requests served alone, nothing queued)
 CEILING_SAMPLE = 0.02
@@ -116,7 +119,7 @@ class SearchSettings:
     held_out_seeds: tuple[int, ...] = (1, 2)
     max_rounds: int | None = None  # the search's budget; default: `default_rounds` (core 14, extended 17)
     time_budget_s: float | None = None  # wall-clock safety net only; default: `default_budget_s` (core 480 s,
-    # extended 1920 s)
+    # extended 1920 s, half as much again for each trial beyond two: Coral's search 720 s and 2880 s)
     tolerance: float = 1.06
     margin: float = 0.1  # a model passes a tuning round with at most (1 - margin) x its allowed misses
 
@@ -169,7 +172,8 @@ class _Bracket:
 
 #: slack the search's slack-priced variant of Coral's allocator prices (`coral.allocation.core.SlackPrice`): the
 #: demand it is asked is an estimate of a percentile, so capacity above it is worth keeping where whole instances
-#: carry it for little (README "Slack priced", `tests/test_slack.py`)
+#: carry it for little (README "Slack priced"; at 0.5 the priced plan still trimmed gpt-oss-20b's slack on core,
+#: `tests/test_latency_rating.py`'s equal-demand test)
 SEARCH_SLACK = SlackPrice(share=0.15, price=0.8)
 
 
@@ -272,10 +276,10 @@ RESPONSE = 0.25
 
 
 def _run_rounds(planner: Planner, scenario: Scenario, cfg: SearchSettings, start: Mapping[DemandKey, float],
-                evaluate: Evaluator, say: Progress, t0: float, max_rounds: int, first_index: int = 0,
+                evaluate: Evaluator, say: Progress, t0: float, max_rounds: int, budget: float, first_index: int = 0,
                 label: str = "planner") -> _Trial:
     """Rounds of the bracket search (module doc) from headroom `start`, numbered from `first_index`, each
-    labelled `label`."""
+    labelled `label`; `budget`: the whole search's wall-clock safety net, from `t0`."""
     traffic = scenario_traffic(scenario)
     keys = [k for k, v in traffic.items() if v > 0]
     target = {sm.model: sm.slo_attainment for sm in scenario.models}
@@ -283,7 +287,6 @@ def _run_rounds(planner: Planner, scenario: Scenario, cfg: SearchSettings, start
     trial = _Trial()
     cap, rounds, plans = trial.cap, trial.rounds, trial.plans
     misses: dict[DemandKey, list[tuple[float, float]]] = {}  # (capacity ÷ traffic, phase attainment) while short
-    budget = cfg.time_budget_s if cfg.time_budget_s is not None else default_budget_s(scenario)
     while len(rounds) < max_rounds:
         if (rounds or first_index) and time.perf_counter() - t0 >= budget:  # the safety net, never the budget
             trial.nets.append(f"the search's wall-clock safety net ({budget:.0f} s) stopped it after "
@@ -418,16 +421,19 @@ def search_plan(
     evaluate = evaluate or simulator_evaluator(scenario, duration, catalog, cfg.held_out_seeds)
     max_rounds = cfg.max_rounds if cfg.max_rounds is not None else default_rounds(scenario)
     start = headroom(scenario)
+    budget = cfg.time_budget_s if cfg.time_budget_s is not None else default_budget_s(
+        scenario, (subset is not None) + 1 + len(variants))
     trials: list[_Trial] = []
     if subset is not None:
         say("first the rounds of the subset's own search (Coral's: the homogeneous ILP's); the plan chosen is "
             "never dearer than theirs")
-        trials.append(_run_rounds(subset, scenario, cfg, start, evaluate, say, t0, max_rounds, label="subset"))
-    trials.append(_run_rounds(planner, scenario, cfg, start, evaluate, say, t0, max_rounds,
+        trials.append(_run_rounds(subset, scenario, cfg, start, evaluate, say, t0, max_rounds, budget,
+                                  label="subset"))
+    trials.append(_run_rounds(planner, scenario, cfg, start, evaluate, say, t0, max_rounds, budget,
                               sum(len(t.rounds) for t in trials)))
     for i, variant in enumerate(variants, 1):
         say(f"then the rounds of variant {i} of the planner (Coral's: the allocator pricing slack)")
-        trials.append(_run_rounds(variant, scenario, cfg, start, evaluate, say, t0, max_rounds,
+        trials.append(_run_rounds(variant, scenario, cfg, start, evaluate, say, t0, max_rounds, budget,
                                   sum(len(t.rounds) for t in trials), label=f"variant {i}"))
     rounds = [r for t in trials for r in t.rounds]
     plans = {i: p for t in trials for i, p in t.plans.items()}
