@@ -39,7 +39,7 @@ class SlackPrice:
     cheapest rate: the slack a coarser plan carries for free. Demand itself is always met in full."""
 
     share: float = 0.15
-    price: float = 0.5
+    price: float = 0.8
 
     def __post_init__(self) -> None:
         if not 0 <= self.share <= 1:

@@ -174,7 +174,7 @@ class _Bracket:
 #: demand it is asked is an estimate of a percentile, so capacity above it is worth keeping where whole instances
 #: carry it for little (README "Slack priced"; at 0.5 the priced plan still trimmed gpt-oss-20b's slack on core,
 #: `tests/test_latency_rating.py`'s equal-demand test)
-SEARCH_SLACK = SlackPrice(share=0.15, price=0.8)
+SEARCH_SLACK = SlackPrice(share=0.15, price=0.8)  # the defaults
 
 
 def allocator_planner(library: TemplateLibrary, scenario: Scenario, availability: Availability | str | None,
