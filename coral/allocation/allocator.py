@@ -513,6 +513,7 @@ def allocate(
         raise CoralInputError("scale_step: must be in (0, 1]")
     if not 0 <= fairness <= 1:
         raise CoralInputError("fairness: must be in [0, 1]")
+    slack = slack if mode == "cost" else None  # the scarcity modes meet what they can: no slack to price
     deadline = time.perf_counter() + time_limit * (1 - RESERVE)
     ctx = _context(library, scenario, demand, availability, catalog, running, reduce, latency)
 
@@ -579,16 +580,15 @@ def allocate(
         # each model's phases at the lesser of their shares: a request needs both, more of one phase is waste
         least = {m: min(f for (mm, _p), f in zip(ctx.keys, source.served, strict=True) if mm == m) for m, _p in ctx.keys}
         fraction, cost_weights = np.array([least[m] for m, _p in ctx.keys]) * (1 - 1e-9), None
-    cost = _solve_cost(ctx, fraction, cost_weights, left(), gap, prev=source,
-                       slack=slack if mode == "cost" else None)
+    cost = _solve_cost(ctx, fraction, cost_weights, left(), gap, prev=source, slack=slack)
     if cost.out.x is None:
         if source.out.x is None:
             raise _explain(ctx, mm, weights, left(), gap)
         notes.append(f"cost stage found no plan ({cost.out.status}): the previous stage's plan is kept")
         stages["stage 3 (cost)"] = cost.out
         cost = source
-    return _plan(ctx, cost.out, cost.layout, mode, _report(ctx, cost.out, spent, notes, stages,
-                                                         slack if mode == "cost" else None), method, scale=scale)
+    return _plan(ctx, cost.out, cost.layout, mode, _report(ctx, cost.out, spent, notes, stages, slack), method,
+                 scale=scale)
 
 
 def _explain(ctx: _Context, mm: _Stage | None, weights: np.ndarray, time_limit: float, gap: float

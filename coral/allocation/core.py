@@ -364,7 +364,8 @@ def assemble(
             ev.append(np.ones(len(own)))
             lower.append(float(target[k] * frac * grow))
             item_target.append(float(target[k] * frac))
-            priced_row.append(r)
+            if slack is not None:
+                priced_row.append(r)
         upper.append(np.inf)
     group_floor: dict[int, float] = {}
     for k, col in served_col.items():
@@ -467,7 +468,7 @@ def assemble(
     pen_of[running] = n + np.arange(n_pen)
     priced = n + n_pen + n_slack + np.arange(n_priced, dtype=np.int64)
     return problem, Layout(n, pen_of, t_col, demand_rows, avail_rows, n_vars, class_rows, avail_row0, share_start,
-                           share_parent, share_class, served_col, priced, np.array(priced_row[:n_priced], dtype=np.int64))
+                           share_parent, share_class, served_col, priced, np.array(priced_row, dtype=np.int64))
 
 
 CUTS_PER_KEY = 6
