@@ -111,10 +111,11 @@ def imbalanced(scenario: Scenario) -> Scenario:
 
 def search_row(name: str, setting: str, sc: Scenario, method: str, planner: Callable[[Any], Plan],
                settings: SearchSettings, evaluate: Evaluator | None = None,
-               subset: Callable[[Any], Plan] | None = None, variants: Sequence[Callable[[Any], Plan]] = ()
-               ) -> tuple[dict[str, Any], Plan | None]:
+               subset: Callable[[Any], Plan] | None = None, variants: Sequence[Callable[[Any], Plan]] = (),
+               availability: Any = None) -> tuple[dict[str, Any], Plan | None]:
     t0 = time.perf_counter()
-    res = search_plan(planner, sc, settings, evaluate=evaluate, subset=subset, variants=variants)
+    res = search_plan(planner, sc, settings, evaluate=evaluate, subset=subset, variants=variants,
+                      availability=availability)
     plan = res.plan
     slo = plan.slo if plan is not None else None
     return {
@@ -129,7 +130,8 @@ def search_row(name: str, setting: str, sc: Scenario, method: str, planner: Call
         "plan_sha": hashlib.sha256(plan.model_dump_json(include={"instances"}).encode()).hexdigest()[:16]
         if plan is not None else None,
         "rounds": len(res.rounds), "rounds_meeting_targets": sum(r.passed for r in res.rounds),
-        # which planner's round the plan came from: "subset" (homo-ilp's), "planner", "variant 1" (slack priced)
+        # which planner's round the plan came from: "subset" (homo-ilp's), "planner", "variant 1" (slack priced),
+        # "composed" (the cheapest passing part of each model from any rounds)
         "chosen_trial": res.rounds[res.chosen].trial if res.chosen is not None else None,
         "safety_net": res.safety_net,  # None: the row depends on its inputs alone, not on the machine's load
         "seconds": time.perf_counter() - t0,
@@ -201,7 +203,7 @@ def main() -> None:
                     subset = homogeneous_subset(lib, sc, avail, None, METHODS[method])
                     variants = slack_variants(lib, sc, avail, None, METHODS[method])
                     row, plan_of_row = search_row(name, setting, sc, method, planner, settings, evaluate, subset,
-                                                  variants)
+                                                  variants, avail)
                     rows.append(row)
                     if plan_of_row is not None:
                         plan_of_row.save(plans / f"{name}.{setting}.{target:g}.{method}.json")

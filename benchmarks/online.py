@@ -55,7 +55,7 @@ def starting_plan(lib: TemplateLibrary, sc: Scenario, how: str, console: Console
         return with_traffic(allocate(lib, sc, availability=avail), scenario_traffic(sc))
     with console.status("SLO-true search for the starting plan") as status:
         result = search_plan(allocator_planner(lib, sc, avail), sc, SearchSettings(held_out_seeds=()),
-                             progress=lambda line: status.update(f"search: {line}"))
+                             availability=avail, progress=lambda line: status.update(f"search: {line}"))
     if result.plan is None:
         raise SystemExit(f"{sc.name}: the search found no plan")
     return result.plan

@@ -40,7 +40,8 @@ STARTUP_DELAY_S = 300.0
 #: exit code of a run whose Coral plan missed a target (on its tuning or held-out requests), without --allow-miss
 MISSED_EXIT_CODE = 3
 #: whose rounds a search's plan came from (`coral.planning.search_plan`'s trial labels), in words
-TRIALS = {"subset": "homo-ilp's rounds", "planner": "its own rounds", "variant 1": "its rounds pricing slack"}
+TRIALS = {"subset": "homo-ilp's rounds", "planner": "its own rounds", "variant 1": "its rounds pricing slack",
+          "composed": "composed of its rounds' cheapest passing part per model"}
 
 
 def register(app: typer.Typer) -> None:
@@ -151,7 +152,7 @@ def run_cmd(
             result = search_plan(allocator_planner(lib, sc, avail, cat, method=method), sc, settings,
                                  catalog=cat, evaluate=watch.evaluate, progress=watch.show,
                                  subset=homogeneous_subset(lib, sc, avail, cat, method),
-                                 variants=slack_variants(lib, sc, avail, cat, method))
+                                 variants=slack_variants(lib, sc, avail, cat, method), availability=avail)
         if result.plan is None:
             raise CoralInputError(f"{name}: no plan in any round of the search: "
                                   + "; ".join(r.note for r in result.rounds if r.note))
@@ -253,7 +254,8 @@ def run_cmd(
             "missed": misses,  # Coral's plan: why it is not one that met every target (empty: it met them all)
             "safety_net": nets,  # per method whose search (or a solve in it) a wall-clock safety net stopped
             "rounds": {name: len(r.rounds) for name, r in results.items()},
-            # whose round each method's plan is: "subset" (homo-ilp's), "planner", "variant 1" (slack priced)
+            # whose round each method's plan is: "subset" (homo-ilp's), "planner", "variant 1" (slack priced),
+            # "composed" (each model's cheapest passing part of any round)
             "chosen_trial": {name: r.rounds[r.chosen].trial for name, r in results.items() if r.chosen is not None},
         }
         (work / "summary.json").write_text(json.dumps(summary, indent=2))

@@ -293,7 +293,7 @@ def at_target_rows(setting: str, lib: TemplateLibrary, sc: Scenario, avail: dict
         t0 = time.perf_counter()
         res = search_plan(allocator_planner(lib, sc, avail, catalog, fn), sc, settings, catalog=catalog,
                           evaluate=evaluate, progress=say, subset=homogeneous_subset(lib, sc, avail, catalog, fn),
-                          variants=slack_variants(lib, sc, avail, catalog, fn))
+                          variants=slack_variants(lib, sc, avail, catalog, fn), availability=avail)
         at_target = res.plan is not None and res.tuned_passed
         plan = res.plan if at_target and res.plan is not None else most_goodput(method, lib, sc, avail, catalog,
                                                                                 time_limit)

@@ -40,6 +40,11 @@ same way, and the cheapest passing plan of every trial is kept: the plain cost o
 coarser plan carries for free, the priced one keeps it where it costs under 0.8 of its cheapest rate, and
 which of the two is the cheaper at the target depends on the market, so the search tries both.
 
+Composed last: a model's attainment depends on its own instances only, so a round where one model missed still
+shows what the others' instances attain. After the trials, the cheapest plan made of one passing part per model,
+from any rounds, within availability (`coral.planning.compose`, an exact choice) is simulated as one more round
+(trial "composed") when it is cheaper than every passing round, and competes with them.
+
 Then the chosen plan is scored on the held-out request sets (other seeds, reading the held-out half of every
 trace, which the tuning sets never read): a model's held-out
 attainment is over all their requests (one hour by default), its worst single set is recorded beside it. Each
@@ -64,6 +69,15 @@ from coral.allocation.plan import Plan, SloCheck
 from coral.catalog.loader import Catalog
 from coral.catalog.schema import Scenario
 from coral.perf.model import Phase
+from coral.planning.compose import (
+    Part,
+    availability_limits,
+    cheapest_parts,
+    composed_plan,
+    part_of,
+    plan_key,
+    seen_limits,
+)
 from coral.simulation.run import simulate
 from coral.templates.library import TemplateLibrary
 from coral.workload.traces import RequestSet, thinned, workload_for
@@ -135,7 +149,8 @@ class Round:
     passed: bool
     note: str = ""
     wall_s: float = 0.0
-    trial: str = ""  # the planner whose round it is (`search_plan`: "subset", "planner", "variant 1", ...)
+    trial: str = ""  # the planner whose round it is (`search_plan`: "subset", "planner", "variant 1", ...), or
+    # "composed" (parts of other rounds, `coral.planning.compose`)
 
 
 @dataclass
@@ -314,7 +329,7 @@ def _run_rounds(planner: Planner, scenario: Scenario, cfg: SearchSettings, start
             continue
         result = worst_of([evaluate(plan, seed, 1.0) for seed in cfg.tune_seeds])
         att = {m: a.slo for m, a in result.items()}
-        ok = {m: 1.0 - att.get(m, 0.0) <= (1.0 - target[m]) * (1.0 - cfg.margin) for m in target}
+        ok = _meets(att, target, cfg.margin)
         passed = all(ok.values())
         rounds.append(Round(index, h, plan.cost_per_hour, att, passed, wall_s=time.perf_counter() - t_round,
                             trial=label))
@@ -380,6 +395,65 @@ def _run_rounds(planner: Planner, scenario: Scenario, cfg: SearchSettings, start
     return trial
 
 
+def _meets(attainment: Mapping[str, float], target: Mapping[str, float], margin: float) -> dict[str, bool]:
+    """Per model: whether it met its target with `margin` to spare (misses ≤ (1 − margin) × allowed)."""
+    return {m: 1.0 - attainment.get(m, 0.0) <= (1.0 - t) * (1.0 - margin) for m, t in target.items()}
+
+
+def _composed_rounds(groups: Sequence[Sequence[_Trial]], scenario: Scenario, cfg: SearchSettings,
+                     limits: Mapping[tuple[str, str], int] | None, evaluate: Evaluator, say: Progress, t0: float,
+                     budget: float, first_index: int) -> _Trial:
+    """Rounds of composed plans (`coral.planning.compose`), one per group of trials at most: the cheapest plan of
+    parts where each model met its target (within `limits`), simulated when it is cheaper than every passing
+    round so far and not a plan already simulated. A subset's trial alone is a group after all trials are, so
+    the result stays never dearer than the subset's search with composition, even were the models' attainments
+    not independent."""
+    target = {sm.model: sm.slo_attainment for sm in scenario.models}
+    traffic = scenario_traffic(scenario)
+    out = _Trial()
+    every = [(r, t.plans[r.index]) for group in groups for t in group for r in t.rounds if r.index in t.plans]
+    seen = {plan_key(p) for _, p in every}
+    best = min((r.cost_per_hour or 0.0 for r, _ in every if r.passed), default=math.inf)
+    by_index = {r.index: r for r, _ in every}
+    for group in groups:
+        options: dict[str, list[Part]] = {m: [] for m in target}
+        for t in group:
+            for r in t.rounds:
+                if r.index not in t.plans:
+                    continue
+                for m, ok in _meets(r.attainment, target, cfg.margin).items():
+                    part = part_of(t.plans[r.index], m, r.index)
+                    if ok and all(part.signature != o.signature for o in options[m]):
+                        options[m].append(part)
+        parts = cheapest_parts(options, limits)
+        if parts is None:
+            continue
+        plan = with_traffic(composed_plan(parts), traffic)
+        if plan.cost_per_hour >= best - 1e-9 or plan_key(plan) in seen:
+            continue
+        if time.perf_counter() - t0 >= budget:
+            out.nets.append(f"the search's wall-clock safety net ({budget:.0f} s) stopped it before its composed "
+                            "round")
+            break
+        t_round = time.perf_counter()
+        index = first_index + len(out.rounds)
+        result = worst_of([evaluate(plan, seed, 1.0) for seed in cfg.tune_seeds])
+        att = {m: a.slo for m, a in result.items()}
+        passed = all(_meets(att, target, cfg.margin).values())
+        part_round = {p.model: by_index[p.round_index] for p in parts}
+        room = {k: part_round[k[0]].headroom.get(k, 1.0) for k in traffic if k[0] in part_round}
+        out.rounds.append(Round(index, room, plan.cost_per_hour, att, passed, "; ".join(plan.solve.notes),
+                                time.perf_counter() - t_round, "composed"))
+        out.plans[index] = plan
+        seen.add(plan_key(plan))
+        say(f"round {index + 1}: ${plan.cost_per_hour:,.2f}/h, composed of the cheapest part of each model that "
+            "met its target in some round, " + ", ".join(f"{m} {att.get(m, 0.0):.1%}" for m in target)
+            + (" - meets every target" if passed else ""))
+        if passed:
+            best = plan.cost_per_hour
+    return out
+
+
 def _unresponsive(history: list[tuple[float, float]], needed: float) -> str | None:
     """Words when a key that missed in every entry of `history` ((capacity ÷ traffic, its phase's attainment),
     in round order) grew its capacity by `UNRESPONSIVE_GROWTH` or more since its first miss while its phase's
@@ -404,6 +478,7 @@ def search_plan(
     progress: Progress | None = None,
     subset: Planner | None = None,
     variants: Sequence[Planner] = (),
+    availability: Availability | str | None = None,
 ) -> SearchResult:
     """The cheapest plan found whose simulated attainment meets every model's `slo_attainment` on the tuning
     requests, scored on held-out ones, with per-model verdicts (module doc). With `subset` (a planner over a
@@ -412,7 +487,10 @@ def search_plan(
     than the subset's search. (`planner`'s rounds start from the burst factors, not from where the subset's
     ended: in one version of this change, continuing from there found a dearer plan on core at 90 %.) Each of
     `variants` (e.g. `planner` pricing slack, `slack_variants`) then runs its own rounds the same way, and the
-    cheapest passing plan of every trial is kept."""
+    cheapest passing plan of every trial is kept. Last, the cheapest plan composed of each model's passing parts
+    of all rounds (`coral.planning.compose`) within `availability` (the planners'; None: no more nodes of a
+    region and config than one round's plan used) is simulated as a round of its own when it is cheaper than
+    every passing round (with `subset`, failing that, the one composed of the subset's rounds alone)."""
     cfg = settings or SearchSettings()
     t0 = time.perf_counter()
     say = progress or (lambda _: None)
@@ -435,6 +513,13 @@ def search_plan(
         say(f"then the rounds of variant {i} of the planner (Coral's: the allocator pricing slack)")
         trials.append(_run_rounds(variant, scenario, cfg, start, evaluate, say, t0, max_rounds, budget,
                                   sum(len(t.rounds) for t in trials), label=f"variant {i}"))
+    last_proposal = trials[-1].headroom
+    all_plans = [p for t in trials for p in t.plans.values()]
+    limits = availability_limits(availability) if availability is not None else seen_limits(all_plans)
+    searched = len(trials)
+    groups = [trials, trials[:1]] if subset is not None else [trials]
+    trials.append(_composed_rounds(groups, scenario, cfg, limits, evaluate, say, t0, budget,
+                                   sum(len(t.rounds) for t in trials)))
     rounds = [r for t in trials for r in t.rounds]
     plans = {i: p for t in trials for i, p in t.plans.items()}
     cap: dict[DemandKey, float] = {}
@@ -448,14 +533,14 @@ def search_plan(
     net = "; ".join(n for t in trials for n in t.nets) or None
     unresponsive = {k: v for t in trials for k, v in t.unresponsive.items()}
     if chosen is None or chosen.index not in plans:
-        return SearchResult(None, trials[-1].headroom, rounds, time.perf_counter() - t0, net)
+        return SearchResult(None, last_proposal, rounds, time.perf_counter() - t0, net)
     best = plans[chosen.index]
     say(f"scoring the chosen plan (round {chosen.index + 1}) on {len(cfg.held_out_seeds)} held-out request sets")
     best.slo = score(best, scenario, cfg, duration, chosen.attainment, chosen.headroom, cap, evaluate)
     best.slo.safety_net = net
     best.slo.notes += [f"{m}/{p.value} {why}" for (m, p), why in unresponsive.items()]
     if not chosen.passed:
-        best.slo.notes.append(missed_words(chosen, target, len(rounds), max_rounds * len(trials)))
+        best.slo.notes.append(missed_words(chosen, target, len(rounds), max_rounds * searched))
     return SearchResult(best, chosen.headroom, rounds, time.perf_counter() - t0, net, chosen.index)
 
 
