@@ -421,9 +421,9 @@ def _composed_rounds(groups: Sequence[Sequence[_Trial]], scenario: Scenario, cfg
             for r in t.rounds:
                 if r.index not in t.plans:
                     continue
-                for m, ok in _meets(r.attainment, target, cfg.margin).items():
+                for m in (m for m, ok in _meets(r.attainment, target, cfg.margin).items() if ok):
                     part = part_of(t.plans[r.index], m, r.index)
-                    if ok and all(part.signature != o.signature for o in options[m]):
+                    if all(part.signature != o.signature for o in options[m]):
                         options[m].append(part)
         parts = cheapest_parts(options, limits)
         if parts is None:
