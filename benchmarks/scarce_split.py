@@ -11,8 +11,8 @@ model alone: its planner plans the model's demand within that share, the other m
 homo-ilp's searched plan (which meets their targets), so a round passes exactly when the model meets its target.
 The cheapest passing part of each (model, share) is one option, and so is each model's part of Coral's own
 searched plan; the exact choice of one option per model within the market (`cheapest_parts`) is the cheapest
-split. Prints the options and the split beside Coral's and
-homo-ilp's searched plans, and writes out/benchmarks/scarce_split.json.
+split, checked on the tuning sets and scored on the held-out ones like any plan. Prints the options and the split
+beside Coral's and homo-ilp's searched plans, and writes out/benchmarks/scarce_split.json (`--name`).
 """
 
 from __future__ import annotations
@@ -31,12 +31,19 @@ from rich.table import Table
 from coral.allocation.allocator import allocate
 from coral.allocation.availability import PLENTY
 from coral.allocation.baselines import homo_ilp
-from coral.allocation.demand import DemandKey, run_length_s
+from coral.allocation.demand import DemandKey, run_length_s, scenario_traffic
 from coral.allocation.plan import Plan
 from coral.catalog.loader import load_scenario
 from coral.planning import SearchSettings, allocator_planner, homogeneous_subset, search_plan, slack_variants
 from coral.planning.compose import Part, cheapest_parts, composed_plan, part_of
-from coral.planning.slo_search import SEARCH_SLACK, Planner, simulator_evaluator
+from coral.planning.slo_search import (
+    SEARCH_SLACK,
+    Planner,
+    score,
+    simulator_evaluator,
+    with_traffic,
+    worst_of,
+)
 from coral.templates.store import load_library
 
 
@@ -81,7 +88,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=6, help="rounds per trial of each model's search")
     ap.add_argument("--library-dir", type=Path, default=Path("out"))
     ap.add_argument("--out", type=Path, default=Path("out/benchmarks"))
+    ap.add_argument("--only", nargs="+", default=[], metavar="MODEL=SHARE",
+                    help="search only these (model, share) pairs (shares as printed), e.g. a split found before")
+    ap.add_argument("--name", default="scarce_split", help="JSON file name (without .json)")
     args = ap.parse_args()
+    only = {tuple(pair.split("=", 1)) for pair in args.only}
     console = table_console()
     sc = with_target(load_scenario(args.scenario), args.target)
     lib = load_library(args.scenario, args.library_dir)
@@ -104,6 +115,8 @@ def main() -> None:
     share_of: dict[int, str] = {id(options[m][0]): "as in Coral's search" for m in options}
     for m in options:
         for label, share in shares(avail).items():
+            if only and (m, label) not in only:
+                continue
             within = {r: {c: (share.get((r, c), 0) if 0 < n < PLENTY else n) for c, n in cs.items()}
                       for r, cs in avail.items()}
             plain = allocator_planner(lib, sc, within)
@@ -124,6 +137,15 @@ def main() -> None:
     limits = {(r, c): n for r, cs in avail.items() for c, n in cs.items()}
     best = cheapest_parts(options, limits)
     split = sum(p.cost_per_hour for p in best) if best else None
+    held: dict[str, float] = {}
+    if best:  # the split as one plan: checked on the tuning sets, scored on the held-out ones like any plan
+        plan = with_traffic(composed_plan(best), scenario_traffic(sc))
+        tuned = worst_of([evaluate(plan, seed, 1.0) for seed in SearchSettings().tune_seeds])
+        check = score(plan, sc, SearchSettings(), run_length_s(sc), {m: a.slo for m, a in tuned.items()}, {},
+                      evaluate=evaluate)
+        held = check.held_out
+        console.print("the split on the tuning sets: " + ", ".join(f"{m} {a.slo:.1%}" for m, a in tuned.items())
+                      + "; held-out: " + ", ".join(f"{m} {a:.1%}" for m, a in held.items()))
     table = Table(title=f"{args.scenario}, {args.gpus} best GPUs, ≥ {args.target:.0%}: each model alone, per share")
     for col in ("model", "share", "$/h", "tuned attainment", "scarce nodes used", "rounds"):
         table.add_column(col, justify="left" if col in ("model", "share") else "right")
@@ -138,10 +160,10 @@ def main() -> None:
         + f"; Coral's search ${coral:,.2f}/h, homo-ilp's "
         f"${homo:,.2f}/h ({homo / coral:.3f}x" + (f"; at the split {homo / split:.3f}x" if split else "") + ")")
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / "scarce_split.json"
+    path = args.out / f"{args.name}.json"
     path.write_text(json.dumps({"scenario": args.scenario, "gpus": args.gpus, "target": args.target, "rows": rows,
                                 "split": {p.model: share_of[id(p)] for p in best or []},
-                                "split_cost_per_hour": split, "coral_cost_per_hour": coral,
+                                "split_cost_per_hour": split, "split_held_out": held, "coral_cost_per_hour": coral,
                                 "homo_ilp_cost_per_hour": homo, "seconds": time.perf_counter() - t0}, indent=1))
     console.print(f"wrote {path}")
 
