@@ -26,7 +26,7 @@ import hashlib
 import json
 import multiprocessing
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -42,9 +42,10 @@ from coral.allocation.plan import Plan
 from coral.catalog.loader import load_scenario, market_catalog
 from coral.catalog.schema import Scenario, TargetUtilization
 from coral.experiments.allocation import paper_imbalanced_rates, with_rates
-from coral.planning import SearchSettings, allocator_planner, homogeneous_subset, search_plan, slack_variants
+from coral.planning import SearchSettings, search_method
 from coral.planning.slo_search import Evaluator, simulator_evaluator
 from coral.simulation.run import simulate
+from coral.templates.library import TemplateLibrary
 from coral.templates.store import load_library
 from coral.workload.traces import workload_for
 
@@ -109,13 +110,10 @@ def imbalanced(scenario: Scenario) -> Scenario:
     return with_rates(scenario, paper_imbalanced_rates(scenario, large_heavy=False), "paper small-heavy")
 
 
-def search_row(name: str, setting: str, sc: Scenario, method: str, planner: Callable[[Any], Plan],
-               settings: SearchSettings, evaluate: Evaluator | None = None,
-               subset: Callable[[Any], Plan] | None = None, variants: Sequence[Callable[[Any], Plan]] = (),
-               availability: Any = None) -> tuple[dict[str, Any], Plan | None]:
+def search_row(name: str, setting: str, sc: Scenario, method: str, lib: TemplateLibrary, availability: Any,
+               settings: SearchSettings, evaluate: Evaluator | None = None) -> tuple[dict[str, Any], Plan | None]:
     t0 = time.perf_counter()
-    res = search_plan(planner, sc, settings, evaluate=evaluate, subset=subset, variants=variants,
-                      availability=availability)
+    res = search_method(METHODS[method], lib, sc, availability, settings, evaluate=evaluate)
     plan = res.plan
     slo = plan.slo if plan is not None else None
     return {
@@ -132,7 +130,7 @@ def search_row(name: str, setting: str, sc: Scenario, method: str, planner: Call
         "rounds": len(res.rounds), "rounds_meeting_targets": sum(r.passed for r in res.rounds),
         # which planner's round the plan came from: "subset" (homo-ilp's), "planner", "variant 1" (slack priced),
         # "composed" (the cheapest passing part of each model from any rounds)
-        "chosen_trial": res.rounds[res.chosen].trial if res.chosen is not None else None,
+        "chosen_trial": res.chosen_trial,
         "safety_net": res.safety_net,  # None: the row depends on its inputs alone, not on the machine's load
         "seconds": time.perf_counter() - t0,
     }, plan
@@ -199,11 +197,7 @@ def main() -> None:
                 # one evaluator per (scenario, setting, target): a plan two searches share is simulated once
                 evaluate = simulator_evaluator(sc, run_length_s(sc), held_out_seeds=settings.held_out_seeds)
                 for method in args.method:
-                    planner = allocator_planner(lib, sc, avail, method=METHODS[method])
-                    subset = homogeneous_subset(lib, sc, avail, None, METHODS[method])
-                    variants = slack_variants(lib, sc, avail, None, METHODS[method])
-                    row, plan_of_row = search_row(name, setting, sc, method, planner, settings, evaluate, subset,
-                                                  variants, avail)
+                    row, plan_of_row = search_row(name, setting, sc, method, lib, avail, settings, evaluate)
                     rows.append(row)
                     if plan_of_row is not None:
                         plan_of_row.save(plans / f"{name}.{setting}.{target:g}.{method}.json")

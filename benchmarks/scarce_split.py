@@ -34,15 +34,15 @@ from coral.allocation.baselines import homo_ilp
 from coral.allocation.demand import DemandKey, run_length_s, scenario_traffic
 from coral.allocation.plan import Plan
 from coral.catalog.loader import load_scenario
-from coral.planning import SearchSettings, allocator_planner, homogeneous_subset, search_plan, slack_variants
-from coral.planning.compose import Part, cheapest_parts, composed_plan, part_of
+from coral.planning import SearchSettings, allocator_planner, search_method, search_plan
+from coral.planning.compose import Part, availability_limits, cheapest_parts, composed_plan, part_of
 from coral.planning.slo_search import (
     SEARCH_SLACK,
     Planner,
     score,
     simulator_evaluator,
+    tuning_attainment,
     with_traffic,
-    worst_of,
 )
 from coral.templates.store import load_library
 
@@ -102,9 +102,7 @@ def main() -> None:
     t0 = time.perf_counter()
     searched: dict[str, Any] = {}
     for name, method in (("coral", allocate), ("homo-ilp", homo_ilp)):
-        res = search_plan(allocator_planner(lib, sc, avail, method=method), sc, SearchSettings(), evaluate=evaluate,
-                          subset=homogeneous_subset(lib, sc, avail, None, method),
-                          variants=slack_variants(lib, sc, avail, None, method), availability=avail)
+        res = search_method(method, lib, sc, avail, evaluate=evaluate)
         assert res.plan is not None and res.tuned_passed, f"{name}'s search found no passing plan"
         searched[name] = res.plan
         console.print(f"{name}'s search: ${res.plan.cost_per_hour:,.2f}/h in {len(res.rounds)} rounds")
@@ -134,13 +132,12 @@ def main() -> None:
             rows.append(row)
             console.print(f"{m}, {label}: " + (f"${row['cost_per_hour']:,.2f}/h" if row["cost_per_hour"] else
                                               "no passing part") + f" ({len(passing)} of {len(res.rounds)} rounds passed)")
-    limits = {(r, c): n for r, cs in avail.items() for c, n in cs.items()}
-    best = cheapest_parts(options, limits)
+    best = cheapest_parts(options, availability_limits(avail))
     split = sum(p.cost_per_hour for p in best) if best else None
     held: dict[str, float] = {}
     if best:  # the split as one plan: checked on the tuning sets, scored on the held-out ones like any plan
         plan = with_traffic(composed_plan(best), scenario_traffic(sc))
-        tuned = worst_of([evaluate(plan, seed, 1.0) for seed in SearchSettings().tune_seeds])
+        tuned = tuning_attainment(plan, SearchSettings(), evaluate)
         check = score(plan, sc, SearchSettings(), run_length_s(sc), {m: a.slo for m, a in tuned.items()}, {},
                       evaluate=evaluate)
         held = check.held_out

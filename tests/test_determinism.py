@@ -237,7 +237,7 @@ def test_coral_run_exits_3_on_a_missed_target(monkeypatch: pytest.MonkeyPatch, c
     out.mkdir()
     shutil.copy(core_out / "core.templates.sqlite", out / "core.templates.sqlite")
     net = None if passed else "the search's wall-clock safety net (1 s) stopped it after 1 of 14 rounds"
-    monkeypatch.setattr("coral.planning.search_plan", _fake_search(passed, net))
+    monkeypatch.setattr("coral.planning.slo_search.search_plan", _fake_search(passed, net))  # what search_method calls
     args = ["run", "core", "--out", str(out), "--duration", "60", "--baselines", "none"]
     res = CliRunner().invoke(app, [*args, "--allow-miss"] if allow else args)
     assert res.exit_code == code, res.output

@@ -102,13 +102,7 @@ def run_cmd(
     from coral.allocation.demand import run_length_s
     from coral.allocation.forecast import DemandForecaster, LatencyCorrection
     from coral.perf.model import Phase
-    from coral.planning import (
-        SearchSettings,
-        allocator_planner,
-        homogeneous_subset,
-        search_plan,
-        slack_variants,
-    )
+    from coral.planning import SearchSettings, search_method
     from coral.planning.slo_search import score, simulator_evaluator, with_traffic
     from coral.report import build_report
     from coral.report.adapters import inputs_from_sim, method_result
@@ -149,17 +143,15 @@ def run_cmd(
             continue
         with console.status(f"{name}: searching for the cheapest plan meeting every SLO target") as status:
             watch = SearchStatus(name, status, console, evaluate)
-            result = search_plan(allocator_planner(lib, sc, avail, cat, method=method), sc, settings,
-                                 catalog=cat, evaluate=watch.evaluate, progress=watch.show,
-                                 subset=homogeneous_subset(lib, sc, avail, cat, method),
-                                 variants=slack_variants(lib, sc, avail, cat, method), availability=avail)
+            result = search_method(method, lib, sc, avail, settings, catalog=cat, evaluate=watch.evaluate,
+                                   progress=watch.show)
         if result.plan is None:
             raise CoralInputError(f"{name}: no plan in any round of the search: "
                                   + "; ".join(r.note for r in result.rounds if r.note))
         result.plan.method = name
         plans[name] = result.plan
         results[name] = result
-        chosen = result.rounds[result.chosen].trial if result.chosen is not None else ""
+        chosen = result.chosen_trial
         console.print(f"{name}: {len(result.rounds)} rounds in {result.wall_s:.0f} s -> "
                       f"${result.plan.cost_per_hour:,.2f}/h" + (f" (round {result.chosen + 1}, {TRIALS[chosen]})"
                                                                if result.chosen is not None and chosen in TRIALS else ""))
@@ -256,7 +248,7 @@ def run_cmd(
             "rounds": {name: len(r.rounds) for name, r in results.items()},
             # whose round each method's plan is: "subset" (homo-ilp's), "planner", "variant 1" (slack priced),
             # "composed" (each model's cheapest passing part of any round)
-            "chosen_trial": {name: r.rounds[r.chosen].trial for name, r in results.items() if r.chosen is not None},
+            "chosen_trial": {name: r.chosen_trial for name, r in results.items() if r.chosen is not None},
         }
         (work / "summary.json").write_text(json.dumps(summary, indent=2))
     report = folder / "report.html"

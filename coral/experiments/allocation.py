@@ -275,13 +275,7 @@ def at_target_rows(setting: str, lib: TemplateLibrary, sc: Scenario, avail: dict
     Coral's also runs homo-ilp's rounds, so it is never dearer), or, where the market cannot hold one, its
     most-goodput plan (`most_goodput`); each scored by the `judge` on held-out requests. `settings`: the search's
     (default: its own defaults, as `coral run`)."""
-    from coral.planning import (
-        SearchSettings,
-        allocator_planner,
-        homogeneous_subset,
-        search_plan,
-        slack_variants,
-    )
+    from coral.planning import SearchSettings, search_method
     from coral.planning.slo_search import simulator_evaluator
 
     settings = settings or SearchSettings()
@@ -291,9 +285,7 @@ def at_target_rows(setting: str, lib: TemplateLibrary, sc: Scenario, avail: dict
     for method, fn in PLANNERS.items():
         say = (lambda line, m=method: progress(f"{setting}, {m}: {line}")) if progress else None
         t0 = time.perf_counter()
-        res = search_plan(allocator_planner(lib, sc, avail, catalog, fn), sc, settings, catalog=catalog,
-                          evaluate=evaluate, progress=say, subset=homogeneous_subset(lib, sc, avail, catalog, fn),
-                          variants=slack_variants(lib, sc, avail, catalog, fn), availability=avail)
+        res = search_method(fn, lib, sc, avail, settings, catalog=catalog, evaluate=evaluate, progress=say)
         at_target = res.plan is not None and res.tuned_passed
         plan = res.plan if at_target and res.plan is not None else most_goodput(method, lib, sc, avail, catalog,
                                                                                 time_limit)

@@ -6,8 +6,10 @@ from coral.planning.slo_search import (
     SearchSettings,
     allocator_planner,
     homogeneous_subset,
+    search_method,
     search_plan,
     slack_variants,
 )
 
-__all__ = ["SearchResult", "SearchSettings", "allocator_planner", "homogeneous_subset", "search_plan", "slack_variants"]
+__all__ = ["SearchResult", "SearchSettings", "allocator_planner", "homogeneous_subset", "search_method", "search_plan",
+           "slack_variants"]

@@ -173,6 +173,11 @@ class SearchResult:
         return self.plan is not None and self.plan.slo is not None and all(
             self.plan.slo.passed(m) for m in self.plan.slo.target)
 
+    @property
+    def chosen_trial(self) -> str | None:
+        """Whose round the plan came from (`Round.trial`); None: no round was chosen."""
+        return self.rounds[self.chosen].trial if self.chosen is not None else None
+
 
 @dataclass
 class _Bracket:
@@ -220,6 +225,20 @@ def slack_variants(library: TemplateLibrary, scenario: Scenario, availability: A
         method is allocate) else []
 
 
+def search_method(method: Callable[..., Plan], library: TemplateLibrary, scenario: Scenario,
+                  availability: Availability | str | None, settings: SearchSettings | None = None, *,
+                  catalog: Catalog | None = None, evaluate: Evaluator | None = None,
+                  progress: Progress | None = None) -> SearchResult:
+    """`search_plan` for `method` (Coral's allocator or a baseline) as every caller runs it: its planner within
+    `availability`, with Coral's allocator homo-ilp's rounds first (`homogeneous_subset`) and its slack-priced
+    rounds after (`slack_variants`), the composed round within `availability`."""
+    return search_plan(allocator_planner(library, scenario, availability, catalog, method), scenario, settings,
+                       catalog=catalog, evaluate=evaluate, progress=progress,
+                       subset=homogeneous_subset(library, scenario, availability, catalog, method),
+                       variants=slack_variants(library, scenario, availability, catalog, method),
+                       availability=availability)
+
+
 def simulator_evaluator(scenario: Scenario, duration_s: float, catalog: Catalog | None = None,
                         held_out_seeds: tuple[int, ...] | None = None) -> Evaluator:
     """Attainment from the simulator on the scenario's workload of each seed (kept once made), thinned to a share
@@ -262,6 +281,11 @@ def worst_of(results: list[Mapping[str, Attainment]]) -> dict[str, Attainment]:
 def _blamed(miss_prefill: float, miss_decode: float, allowed: float) -> list[Phase]:
     blamed = [p for p, miss in ((Phase.PREFILL, miss_prefill), (Phase.DECODE, miss_decode)) if miss > allowed / 2]
     return blamed or [Phase.PREFILL if miss_prefill >= miss_decode else Phase.DECODE]
+
+
+def tuning_attainment(plan: Plan, cfg: SearchSettings, evaluate: Evaluator) -> dict[str, Attainment]:
+    """What the search reads of a plan: per model, its cautious attainment over the tuning sets (`worst_of`)."""
+    return worst_of([evaluate(plan, seed, 1.0) for seed in cfg.tune_seeds])
 
 
 def with_traffic(plan: Plan, traffic: Mapping[DemandKey, float]) -> Plan:
@@ -327,7 +351,7 @@ def _run_rounds(planner: Planner, scenario: Scenario, cfg: SearchSettings, start
             if all(b.h <= b.lo for b in brackets.values()):
                 break
             continue
-        result = worst_of([evaluate(plan, seed, 1.0) for seed in cfg.tune_seeds])
+        result = tuning_attainment(plan, cfg, evaluate)
         att = {m: a.slo for m, a in result.items()}
         ok = _meets(att, target, cfg.margin)
         passed = all(ok.values())
@@ -400,22 +424,22 @@ def _meets(attainment: Mapping[str, float], target: Mapping[str, float], margin:
     return {m: 1.0 - attainment.get(m, 0.0) <= (1.0 - t) * (1.0 - margin) for m, t in target.items()}
 
 
-def _composed_rounds(groups: Sequence[Sequence[_Trial]], scenario: Scenario, cfg: SearchSettings,
+def _composed_rounds(trials: Sequence[_Trial], subset_alone: bool, scenario: Scenario, cfg: SearchSettings,
                      limits: Mapping[tuple[str, str], int] | None, evaluate: Evaluator, say: Progress, t0: float,
                      budget: float, first_index: int) -> _Trial:
-    """Rounds of composed plans (`coral.planning.compose`), one per group of trials at most: the cheapest plan of
-    parts where each model met its target (within `limits`), simulated when it is cheaper than every passing
-    round so far and not a plan already simulated. A subset's trial alone is a group after all trials are, so
-    the result stays never dearer than the subset's search with composition, even were the models' attainments
-    not independent."""
+    """Rounds of composed plans (`coral.planning.compose`), one per group of trials at most (all `trials`; then,
+    with `subset_alone`, the first, the subset's, alone): the cheapest plan of parts where each model met its
+    target (within `limits`), simulated when it is cheaper than every passing round so far and not a plan already
+    simulated. The subset's group keeps the result never dearer than the subset's search with composition, even
+    were the models' attainments not independent."""
     target = {sm.model: sm.slo_attainment for sm in scenario.models}
     traffic = scenario_traffic(scenario)
     out = _Trial()
-    every = [(r, t.plans[r.index]) for group in groups for t in group for r in t.rounds if r.index in t.plans]
+    every = [(r, t.plans[r.index]) for t in trials for r in t.rounds if r.index in t.plans]
     seen = {plan_key(p) for _, p in every}
     best = min((r.cost_per_hour or 0.0 for r, _ in every if r.passed), default=math.inf)
     by_index = {r.index: r for r, _ in every}
-    for group in groups:
+    for group in [trials, trials[:1]] if subset_alone else [trials]:
         options: dict[str, list[Part]] = {m: [] for m in target}
         for t in group:
             for r in t.rounds:
@@ -437,8 +461,7 @@ def _composed_rounds(groups: Sequence[Sequence[_Trial]], scenario: Scenario, cfg
             break
         t_round = time.perf_counter()
         index = first_index + len(out.rounds)
-        result = worst_of([evaluate(plan, seed, 1.0) for seed in cfg.tune_seeds])
-        att = {m: a.slo for m, a in result.items()}
+        att = {m: a.slo for m, a in tuning_attainment(plan, cfg, evaluate).items()}
         passed = all(_meets(att, target, cfg.margin).values())
         part_round = {p.model: by_index[p.round_index] for p in parts}
         room = {k: part_round[k[0]].headroom.get(k, 1.0) for k in traffic if k[0] in part_round}
@@ -517,9 +540,8 @@ def search_plan(
     all_plans = [p for t in trials for p in t.plans.values()]
     limits = availability_limits(availability) if availability is not None else seen_limits(all_plans)
     searched = len(trials)
-    groups = [trials, trials[:1]] if subset is not None else [trials]
-    trials.append(_composed_rounds(groups, scenario, cfg, limits, evaluate, say, t0, budget,
-                                   sum(len(t.rounds) for t in trials)))
+    trials.append(_composed_rounds(list(trials), subset is not None, scenario, cfg, limits, evaluate, say, t0,
+                                   budget, sum(len(t.rounds) for t in trials)))
     rounds = [r for t in trials for r in t.rounds]
     plans = {i: p for t in trials for i, p in t.plans.items()}
     cap: dict[DemandKey, float] = {}
