@@ -31,14 +31,12 @@ from rich.table import Table
 from coral.allocation.allocator import allocate
 from coral.allocation.availability import PLENTY
 from coral.allocation.baselines import homo_ilp
-from coral.allocation.demand import DemandKey, run_length_s, scenario_traffic
-from coral.allocation.plan import Plan
+from coral.allocation.demand import run_length_s, scenario_traffic
 from coral.catalog.loader import load_scenario
 from coral.planning import SearchSettings, allocator_planner, search_method, search_plan
-from coral.planning.compose import Part, availability_limits, cheapest_parts, composed_plan, part_of
+from coral.planning.compose import Part, alone, availability_limits, cheapest_parts, composed_plan, part_of
 from coral.planning.slo_search import (
     SEARCH_SLACK,
-    Planner,
     score,
     simulator_evaluator,
     tuning_attainment,
@@ -66,18 +64,6 @@ def shares(avail: Mapping[str, Mapping[str, int]]) -> dict[str, dict[tuple[str, 
         if share not in unique.values():
             unique[label] = share
     return unique
-
-
-def alone(model: str, others: Plan, planner: Planner) -> Planner:
-    """`planner` (bound to a share of the scarce nodes) for `model` alone, the other models keeping `others`'s
-    parts."""
-
-    def plan(demand: dict[DemandKey, float]) -> Plan:
-        mine = planner({k: (v if k[0] == model else 0.0) for k, v in demand.items()})
-        models = list(dict.fromkeys([s.model for s in others.serving] + [model]))
-        return composed_plan([part_of(mine if m == model else others, m, 0) for m in models])
-
-    return plan
 
 
 def main() -> None:

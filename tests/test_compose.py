@@ -5,6 +5,7 @@ simulator on core), and the composed round in the search."""
 from __future__ import annotations
 
 import itertools
+from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
@@ -13,8 +14,9 @@ from hypothesis import strategies as st
 from toy_search import NEEDED, toy_evaluator, toy_planner, toy_scenario
 
 from coral.allocation.allocator import allocate
+from coral.allocation.availability import PLENTY
 from coral.allocation.demand import scenario_traffic
-from coral.allocation.plan import Plan
+from coral.allocation.plan import ModelServing, Plan, PlanInstance, SolveReport
 from coral.catalog.loader import load_scenario
 from coral.perf.model import Phase
 from coral.planning.compose import (
@@ -22,10 +24,11 @@ from coral.planning.compose import (
     availability_limits,
     cheapest_parts,
     composed_plan,
+    leftover,
     part_of,
     seen_limits,
 )
-from coral.planning.slo_search import SearchSettings, search_plan
+from coral.planning.slo_search import Planner, SearchSettings, binds, search_plan
 from coral.simulation.run import simulate
 from coral.templates.store import load_library
 from coral.workload.traces import workload_for
@@ -161,3 +164,63 @@ def test_a_composed_round_is_simulated_only_when_cheaper_than_every_passing_roun
     composed = [r for r in res.rounds if r.trial == "composed"]
     assert res.plan is not None and res.plan.cost_per_hour <= min(passing)
     assert all(r.cost_per_hour is not None and r.cost_per_hour < min(passing) for r in composed)
+
+
+H, L = "1xH", "1xL"  # a scarce fast config and a plentiful slow one
+
+
+def _market_planner(market: Mapping[str, Mapping[str, int]], greedy: bool = False) -> Planner:
+    """Each model with demand on one fast node at $0.6 per token/s while any is left, else on a slow node at $1;
+    `greedy`: the first model takes two fast nodes (one idle, $1/h) and leaves the second the slow one."""
+
+    def plan(demand: dict[tuple[str, Phase], float]) -> Plan:
+        left, instances, serving = market["r"].get(H, 0), [], []
+        for i, m in enumerate(("a", "b")):
+            want = {p: demand.get((m, p), 0.0) for p in Phase}
+            if sum(want.values()) <= 0:
+                continue
+            take = (2 if i == 0 else 0) if greedy else min(1, left)
+            fast = take > 0 and left >= take
+            left -= take if fast else 0
+            rate = 0.6 if fast else 1.0
+            idle = 1.0 if fast and take == 2 else 0.0
+            cost = {p: want[p] * rate + (idle if p is Phase.PREFILL else 0.0) for p in Phase}
+            instances.append(PlanInstance(id=f"{m}.0", model=m, phase="prefill", template_id=0, region="r",
+                                          counts={H: take} if fast else {L: 1}, stages=[],
+                                          throughput=sum(want.values()), cost_per_hour=sum(cost.values())))
+            serving += [ModelServing(model=m, phase=p.value, demand=want[p], capacity=want[p], served_fraction=1,
+                                     cost_per_hour=cost[p]) for p in Phase]
+        return Plan(scenario="toy", method="toy", instances=instances, serving=serving,
+                    cost_per_hour=sum(s.cost_per_hour for s in serving), solve=SolveReport(status="toy"))
+
+    return plan
+
+
+def test_leftover_and_binds() -> None:
+    plan = _market_planner({"r": {H: 2}}, greedy=True)({("a", Phase.PREFILL): 1.0, ("b", Phase.PREFILL): 1.0})
+    market = {"r": {H: 2, L: PLENTY}}
+    assert leftover(market, plan, "a") == {"r": {H: 2, L: PLENTY - 1}}  # b's slow node is not a's to use
+    assert leftover(market, plan, "b") == {"r": {H: 0, L: PLENTY}}
+    assert binds(plan, market)  # both fast nodes used
+    assert not binds(plan, {"r": {H: 3, L: PLENTY}}) and not binds(plan, {"r": {H: PLENTY, L: PLENTY}})
+
+
+def test_the_search_refines_one_model_at_a_time_where_models_compete() -> None:
+    """The joint planner gives model a both fast nodes (one idle) and b a slow one. Refined alone within what b
+    leaves, a takes one fast node; then b, within what a's new part leaves, takes the other: both on fast nodes,
+    cheaper than every round before, within the market, each model still meeting its target."""
+    market = {"r": {H: 2, L: PLENTY}}
+    cfg = SearchSettings(max_rounds=14, refine_rounds=14)  # the toy's burst factors are far above what it needs
+    res = search_plan(_market_planner(market, greedy=True), toy_scenario(), cfg,
+                      evaluate=toy_evaluator(), availability=market, within=lambda av: [_market_planner(av)])
+    assert res.plan is not None and res.tuned_passed and res.chosen_trial == "refined"
+    before = min(r.cost_per_hour or 0.0 for r in res.rounds if r.passed and r.trial != "refined")
+    assert res.plan.cost_per_hour < before
+    assert {i.model: i.counts for i in res.plan.instances} == {"a": {H: 1}, "b": {H: 1}}
+    refined = [r for r in res.rounds if r.trial == "refined"]
+    assert refined and all(r.attainment["a"] >= 0.9 or r.attainment["b"] >= 0.9 for r in refined)
+    # a market where the fast nodes do not run out: the models do not compete, nothing is refined
+    plenty = {"r": {H: PLENTY, L: PLENTY}}
+    res = search_plan(_market_planner(plenty, greedy=True), toy_scenario(), cfg,
+                      evaluate=toy_evaluator(), availability=plenty, within=lambda av: [_market_planner(av)])
+    assert res.tuned_passed and all(r.trial != "refined" for r in res.rounds)

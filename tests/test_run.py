@@ -36,8 +36,8 @@ def test_coral_run_writes_plans_simulation_and_report(tmp_path: Path) -> None:
     assert summary["slo"]["homo-greedy"]["verdict"]
     # Coral's plan came from homo-ilp's rounds, its own, its rounds pricing slack or parts of them composed; the
     # baselines' from their own or their parts composed
-    assert summary["chosen_trial"]["coral"] in ("subset", "planner", "variant 1", "composed")
-    assert summary["chosen_trial"]["homo-greedy"] in ("planner", "composed")
+    assert summary["chosen_trial"]["coral"] in ("subset", "planner", "variant 1", "composed", "refined")
+    assert summary["chosen_trial"]["homo-greedy"] in ("planner", "composed", "refined")
     assert abs(sum(i.cost_per_hour for i in plan.instances) - plan.cost_per_hour) < 1e-6
     html = (folder / "report.html").read_text()
     assert "<html" in html and plan.scenario in html

@@ -42,7 +42,7 @@ def toy_evaluator(ceiling: float = 1.0, calls: list[tuple[int, float]] | None = 
             calls.append((seed, share))
         h = {(s.model, Phase(s.phase)): s.demand / traffic[(s.model, Phase(s.phase))] for s in plan.serving}
         out = {}
-        for m in ("a", "b"):
+        for m in sorted({s.model for s in plan.serving}):
             p, d = (min(caps.get((m, ph), 1.0), min(1.0, h[(m, ph)] / NEEDED[(m, ph)]) ** 4)
                     for ph in (Phase.PREFILL, Phase.DECODE))
             out[m] = Attainment(min(ceiling, p * d), p, d)

@@ -41,7 +41,8 @@ STARTUP_DELAY_S = 300.0
 MISSED_EXIT_CODE = 3
 #: whose rounds a search's plan came from (`coral.planning.search_plan`'s trial labels), in words
 TRIALS = {"subset": "homo-ilp's rounds", "planner": "its own rounds", "variant 1": "its rounds pricing slack",
-          "composed": "composed of its rounds' cheapest passing part per model"}
+          "composed": "composed of its rounds' cheapest passing part per model",
+          "refined": "one model refined at a time within what the others leave of scarce nodes"}
 
 
 def register(app: typer.Typer) -> None:
@@ -247,7 +248,7 @@ def run_cmd(
             "safety_net": nets,  # per method whose search (or a solve in it) a wall-clock safety net stopped
             "rounds": {name: len(r.rounds) for name, r in results.items()},
             # whose round each method's plan is: "subset" (homo-ilp's), "planner", "variant 1" (slack priced),
-            # "composed" (each model's cheapest passing part of any round)
+            # "composed" (each model's cheapest passing part of any round), "refined" (one model at a time)
             "chosen_trial": {name: r.chosen_trial for name, r in results.items() if r.chosen is not None},
         }
         (work / "summary.json").write_text(json.dumps(summary, indent=2))

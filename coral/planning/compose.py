@@ -8,18 +8,23 @@ models as demand moves, so the cheapest passing part of each model often sits in
 L40S GPUs at ≥ 99 %, the cheapest plan of the rounds cost $173.90/h where parts of them made one at $168.23/h.
 Which parts may go together is an exact choice among few options (one part per model, the nodes of each region
 and config at most what is available), solved as a small MIP with HiGHS. The search simulates the composed plan
-as a round of its own (module `coral.planning.slo_search`) and keeps it only when it meets every target there."""
+as a round of its own (module `coral.planning.slo_search`) and keeps it only when it meets every target there.
+
+The same independence lets the search refine one model at a time where models compete for scarce nodes: the
+model planned alone (`alone`) within what the others' parts leave of the availability (`leftover`), the others
+keeping their parts, so a round passes exactly when that model meets its target."""
 
 from __future__ import annotations
 
 import json
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from coral.allocation.core import Availability
+from coral.allocation.demand import DemandKey
 from coral.allocation.milp import SparseRows, solve
 from coral.allocation.plan import Plan, PlanInstance, SolveReport
 
@@ -128,3 +133,26 @@ def composed_plan(parts: Sequence[Part]) -> Plan:
         "instances": [i.model_copy(deep=True) for i in instances], "serving": [s.model_copy(deep=True) for s in serving],
         "request_classes": {m: [c.model_copy(deep=True) for c in cs] for m, cs in classes.items()},
         "cost_per_hour": cost, "penalty_per_hour": 0.0, "solve": report, "slo": None})
+
+
+def leftover(availability: Mapping[str, Mapping[str, int]], plan: Plan, model: str) -> dict[str, dict[str, int]]:
+    """`availability` less the nodes the other models' instances of `plan` use: what `model` may plan within
+    while they keep their parts."""
+    used = node_use([i for i in plan.instances if i.model != model])
+    return {r: {c: max(0, n - used.get((r, c), 0)) for c, n in cs.items()} for r, cs in availability.items()}
+
+
+def alone(model: str, others: Plan,
+          planner: Callable[[dict[DemandKey, float]], Plan]) -> Callable[[dict[DemandKey, float]], Plan]:
+    """`planner` asked for `model`'s demand alone, its plan composed with the other models' parts of `others`:
+    the other models' attainment stays theirs in `others`, so the plan passes when `model` meets its target."""
+
+    def plan(demand: dict[DemandKey, float]) -> Plan:
+        mine = planner({k: (v if k[0] == model else 0.0) for k, v in demand.items()})
+        models = list(dict.fromkeys([s.model for s in others.serving] + [model]))
+        out = composed_plan([part_of(mine if m == model else others, m, 0) for m in models])
+        out.solve = mine.solve.model_copy(update={"notes": [*mine.solve.notes, f"{model} planned alone, the other "
+                                                            "models' parts kept from the plan refined"]})
+        return out
+
+    return plan

@@ -40,10 +40,20 @@ same way, and the cheapest passing plan of every trial is kept: the plain cost o
 coarser plan carries for free, the priced one keeps it where it costs under 0.8 of its cheapest rate, and
 which of the two is the cheaper at the target depends on the market, so the search tries both.
 
-Composed last: a model's attainment depends on its own instances only, so a round where one model missed still
-shows what the others' instances attain. After the trials, the cheapest plan made of one passing part per model,
-from any rounds, within availability (`coral.planning.compose`, an exact choice) is simulated as one more round
-(trial "composed") when it is cheaper than every passing round, and competes with them.
+Composed and refined last: a model's attainment depends on its own instances only, so a round where one model
+missed still shows what the others' instances attain. After the trials, the cheapest plan made of one passing part
+per model, from any rounds, within availability (`coral.planning.compose`, an exact choice) is simulated as one
+more round (trial "composed") when it is cheaper than every passing round, and competes with them. Where the
+models compete for scarce nodes (the best passing plan uses every node of some limited region and config), the
+search then refines one model at a time: `refine_rounds` rounds of each of its planners for that model alone,
+within what the other models' parts of the best plan leave (trial "refined"; only that model simulated, the
+others attaining what they did); a cheaper passing
+round becomes the plan the next model is refined against, and the parts of all rounds are composed once more.
+The joint rounds move every model's demand at once and the allocator hands the scarce nodes to whichever model
+they save most at that demand, so a model's part is seldom the cheapest it could have beside the others' (on core
+with 4 L40S GPUs at >= 90 %, qwen3-32b searched alone on L4 and A10G cost $40.43/h where its part of the joint
+plan cost $43.70/h, `benchmarks/scarce_split.py`). With a `subset`, the subset's search runs whole first (its
+rounds, composed and refined), so the plan chosen is never dearer than that search's.
 
 Then the chosen plan is scored on the held-out request sets (other seeds, reading the held-out half of every
 trace, which the tuning sets never read): a model's held-out
@@ -62,6 +72,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import astuple, dataclass, field
 
 from coral.allocation.allocator import InfeasibleDemand, allocate
+from coral.allocation.availability import PLENTY
 from coral.allocation.baselines import homo_ilp
 from coral.allocation.core import Availability, SlackPrice
 from coral.allocation.demand import TUNING_SEED, DemandKey, headroom, run_length_s, scenario_traffic
@@ -71,9 +82,12 @@ from coral.catalog.schema import Scenario
 from coral.perf.model import Phase
 from coral.planning.compose import (
     Part,
+    alone,
     availability_limits,
     cheapest_parts,
     composed_plan,
+    leftover,
+    node_use,
     part_of,
     plan_key,
     seen_limits,
@@ -136,6 +150,11 @@ class SearchSettings:
     # extended 1920 s, half as much again for each trial beyond two: Coral's search 720 s and 2880 s)
     tolerance: float = 1.06
     margin: float = 0.1  # a model passes a tuning round with at most (1 - margin) x its allowed misses
+    # rounds each planner gets per model when the search refines one model at a time, from the burst factors as in
+    # the trials: with 6, `benchmarks/scarce_split.py` found each model's cheapest part per share of the scarce
+    # nodes on core (from the best plan's own headroom instead, 5 did not: qwen3-32b's plain-allocator plan there
+    # attained 72 % where its slack-priced part of the same cost attained 91 %)
+    refine_rounds: int = 6
 
 
 @dataclass
@@ -150,7 +169,7 @@ class Round:
     note: str = ""
     wall_s: float = 0.0
     trial: str = ""  # the planner whose round it is (`search_plan`: "subset", "planner", "variant 1", ...), or
-    # "composed" (parts of other rounds, `coral.planning.compose`)
+    # "composed" (parts of other rounds, `coral.planning.compose`), or "refined" (one model planned alone)
 
 
 @dataclass
@@ -232,11 +251,18 @@ def search_method(method: Callable[..., Plan], library: TemplateLibrary, scenari
     """`search_plan` for `method` (Coral's allocator or a baseline) as every caller runs it: its planner within
     `availability`, with Coral's allocator homo-ilp's rounds first (`homogeneous_subset`) and its slack-priced
     rounds after (`slack_variants`), the composed round within `availability`."""
+
+    def within(market: Availability) -> list[Planner]:
+        """The search's planners within `market`, in the order of its trials: subset, planner, variants."""
+        subset = homogeneous_subset(library, scenario, market, catalog, method)
+        return [*([subset] if subset is not None else []), allocator_planner(library, scenario, market, catalog, method),
+                *slack_variants(library, scenario, market, catalog, method)]
+
     return search_plan(allocator_planner(library, scenario, availability, catalog, method), scenario, settings,
                        catalog=catalog, evaluate=evaluate, progress=progress,
                        subset=homogeneous_subset(library, scenario, availability, catalog, method),
                        variants=slack_variants(library, scenario, availability, catalog, method),
-                       availability=availability)
+                       availability=availability, within=within)
 
 
 def simulator_evaluator(scenario: Scenario, duration_s: float, catalog: Catalog | None = None,
@@ -316,13 +342,15 @@ RESPONSE = 0.25
 
 def _run_rounds(planner: Planner, scenario: Scenario, cfg: SearchSettings, start: Mapping[DemandKey, float],
                 evaluate: Evaluator, say: Progress, t0: float, max_rounds: int, budget: float, first_index: int = 0,
-                label: str = "planner") -> _Trial:
+                label: str = "planner", models: Sequence[str] | None = None) -> _Trial:
     """Rounds of the bracket search (module doc) from headroom `start`, numbered from `first_index`, each
-    labelled `label`; `budget`: the whole search's wall-clock safety net, from `t0`."""
+    labelled `label`; `budget`: the whole search's wall-clock safety net, from `t0`. With `models`, only their
+    keys are searched; the others keep their `start`."""
     traffic = scenario_traffic(scenario)
-    keys = [k for k, v in traffic.items() if v > 0]
+    keys = [k for k, v in traffic.items() if v > 0 and (models is None or k[0] in models)]
     target = {sm.model: sm.slo_attainment for sm in scenario.models}
     brackets = {k: _Bracket(h=max(1.0, start[k])) for k in keys}
+    fixed = {k: start.get(k, 1.0) for k, v in traffic.items() if v > 0 and k not in brackets}
     trial = _Trial()
     cap, rounds, plans = trial.cap, trial.rounds, trial.plans
     misses: dict[DemandKey, list[tuple[float, float]]] = {}  # (capacity ÷ traffic, phase attainment) while short
@@ -332,7 +360,7 @@ def _run_rounds(planner: Planner, scenario: Scenario, cfg: SearchSettings, start
                               f"{first_index + len(rounds)} rounds")
             break
         t_round = time.perf_counter()
-        h = {k: b.h for k, b in brackets.items()}
+        h = {**fixed, **{k: b.h for k, b in brackets.items()}}
         demand = {k: traffic[k] * h.get(k, 1.0) for k in traffic}
         index = first_index + len(rounds)
         try:
@@ -424,56 +452,95 @@ def _meets(attainment: Mapping[str, float], target: Mapping[str, float], margin:
     return {m: 1.0 - attainment.get(m, 0.0) <= (1.0 - t) * (1.0 - margin) for m, t in target.items()}
 
 
-def _composed_rounds(trials: Sequence[_Trial], subset_alone: bool, scenario: Scenario, cfg: SearchSettings,
+def _composed_rounds(trials: Sequence[_Trial], scenario: Scenario, cfg: SearchSettings,
                      limits: Mapping[tuple[str, str], int] | None, evaluate: Evaluator, say: Progress, t0: float,
                      budget: float, first_index: int) -> _Trial:
-    """Rounds of composed plans (`coral.planning.compose`), one per group of trials at most (all `trials`; then,
-    with `subset_alone`, the first, the subset's, alone): the cheapest plan of parts where each model met its
-    target (within `limits`), simulated when it is cheaper than every passing round so far and not a plan already
-    simulated. The subset's group keeps the result never dearer than the subset's search with composition, even
-    were the models' attainments not independent."""
+    """The round of the composed plan of `trials` (`coral.planning.compose`): the cheapest plan of parts where
+    each model met its target in one of their rounds (within `limits`), simulated when it is cheaper than every
+    passing round of `trials` and not a plan they already simulated."""
     target = {sm.model: sm.slo_attainment for sm in scenario.models}
     traffic = scenario_traffic(scenario)
     out = _Trial()
     every = [(r, t.plans[r.index]) for t in trials for r in t.rounds if r.index in t.plans]
-    seen = {plan_key(p) for _, p in every}
     best = min((r.cost_per_hour or 0.0 for r, _ in every if r.passed), default=math.inf)
+    options: dict[str, list[Part]] = {m: [] for m in target}
+    for r, plan in every:
+        for m in (m for m, ok in _meets(r.attainment, target, cfg.margin).items() if ok):
+            part = part_of(plan, m, r.index)
+            if all(part.signature != o.signature for o in options[m]):
+                options[m].append(part)
+    parts = cheapest_parts(options, limits)
+    if parts is None:
+        return out
+    plan = with_traffic(composed_plan(parts), traffic)
+    if plan.cost_per_hour >= best - 1e-9 or plan_key(plan) in {plan_key(p) for _, p in every}:
+        return out
+    if time.perf_counter() - t0 >= budget:
+        out.nets.append(f"the search's wall-clock safety net ({budget:.0f} s) stopped it before its composed round")
+        return out
+    t_round = time.perf_counter()
+    att = {m: a.slo for m, a in tuning_attainment(plan, cfg, evaluate).items()}
+    passed = all(_meets(att, target, cfg.margin).values())
     by_index = {r.index: r for r, _ in every}
-    for group in [trials, trials[:1]] if subset_alone else [trials]:
-        options: dict[str, list[Part]] = {m: [] for m in target}
-        for t in group:
-            for r in t.rounds:
-                if r.index not in t.plans:
-                    continue
-                for m in (m for m, ok in _meets(r.attainment, target, cfg.margin).items() if ok):
-                    part = part_of(t.plans[r.index], m, r.index)
-                    if all(part.signature != o.signature for o in options[m]):
-                        options[m].append(part)
-        parts = cheapest_parts(options, limits)
-        if parts is None:
-            continue
-        plan = with_traffic(composed_plan(parts), traffic)
-        if plan.cost_per_hour >= best - 1e-9 or plan_key(plan) in seen:
-            continue
-        if time.perf_counter() - t0 >= budget:
-            out.nets.append(f"the search's wall-clock safety net ({budget:.0f} s) stopped it before its composed "
-                            "round")
-            break
-        t_round = time.perf_counter()
-        index = first_index + len(out.rounds)
-        att = {m: a.slo for m, a in tuning_attainment(plan, cfg, evaluate).items()}
-        passed = all(_meets(att, target, cfg.margin).values())
-        part_round = {p.model: by_index[p.round_index] for p in parts}
-        room = {k: part_round[k[0]].headroom.get(k, 1.0) for k in traffic if k[0] in part_round}
-        out.rounds.append(Round(index, room, plan.cost_per_hour, att, passed, "; ".join(plan.solve.notes),
-                                time.perf_counter() - t_round, "composed"))
-        out.plans[index] = plan
-        seen.add(plan_key(plan))
-        say(f"round {index + 1}: ${plan.cost_per_hour:,.2f}/h, composed of the cheapest part of each model that "
-            "met its target in some round, " + ", ".join(f"{m} {att.get(m, 0.0):.1%}" for m in target)
-            + (" - meets every target" if passed else ""))
-        if passed:
-            best = plan.cost_per_hour
+    part_round = {p.model: by_index[p.round_index] for p in parts}
+    room = {k: part_round[k[0]].headroom.get(k, 1.0) for k in traffic if k[0] in part_round}
+    out.rounds.append(Round(first_index, room, plan.cost_per_hour, att, passed, "; ".join(plan.solve.notes),
+                            time.perf_counter() - t_round, "composed"))
+    out.plans[first_index] = plan
+    say(f"round {first_index + 1}: ${plan.cost_per_hour:,.2f}/h, composed of the cheapest part of each model that "
+        "met its target in some round, " + ", ".join(f"{m} {att.get(m, 0.0):.1%}" for m in target)
+        + (" - meets every target" if passed else ""))
+    return out
+
+
+def binds(plan: Plan, availability: Mapping[str, Mapping[str, int]]) -> bool:
+    """Whether `plan` uses every node of some limited (region, config) of `availability`: the models compete
+    for those nodes."""
+    use = node_use(plan.instances)
+    return any(0 < n < PLENTY and use.get((r, c), 0) >= n for r, cs in availability.items() for c, n in cs.items())
+
+
+def alone_evaluator(model: str, others: Plan, evaluate: Evaluator) -> Evaluator:
+    """`evaluate` for plans that change `model`'s part only: that part simulated alone, every other model's
+    attainment its own in `others` (a model's attainment depends on its own instances only, exactly:
+    `tests/test_compose.py`; on core a third of the simulation's time per round)."""
+
+    def evaluate_alone(plan: Plan, seed: int, share: float = 1.0) -> dict[str, Attainment]:
+        mine = evaluate(composed_plan([part_of(plan, model, 0)]), seed, share)
+        return {**evaluate(others, seed, share), model: mine[model]}
+
+    return evaluate_alone
+
+
+def _refined_rounds(trials: Sequence[_Trial], planners: Callable[[Availability], Sequence[Planner]],
+                    availability: Mapping[str, Mapping[str, int]], scenario: Scenario, cfg: SearchSettings,
+                    start: Mapping[DemandKey, float], evaluate: Evaluator, say: Progress, t0: float, budget: float,
+                    first_index: int) -> _Trial:
+    """One model at a time (in the scenario's order), `cfg.refine_rounds` rounds from headroom `start` of each of
+    `planners` (given the availability to plan within) for that model alone within what the other models' parts
+    of the best passing plan leave of `availability` (`coral.planning.compose.alone`, `leftover`); a cheaper
+    passing round becomes the plan the next ones refine. None when no plan passed or the best one `binds` no
+    limit (then each model's part is what its planner gives it alone already)."""
+    out = _Trial()
+    passing = [(r, t.plans[r.index]) for t in trials for r in t.rounds if r.passed and r.index in t.plans]
+    if not passing:
+        return out
+    best_round, best = min(passing, key=lambda rp: (rp[0].cost_per_hour or 0.0, rp[0].index))
+    if not binds(best, availability):
+        return out
+    say(f"refining one model at a time, the others keeping their parts of round {best_round.index + 1} "
+        f"(${best.cost_per_hour:,.2f}/h): the models compete for scarce nodes")
+    for m in (sm.model for sm in scenario.models):
+        for planner in planners(leftover(availability, best, m)):
+            room = {**best_round.headroom, **{k: v for k, v in start.items() if k[0] == m}}
+            trial = _run_rounds(alone(m, best, planner), scenario, cfg, room, alone_evaluator(m, best, evaluate),
+                                say, t0, cfg.refine_rounds, budget, first_index + len(out.rounds), "refined", models=[m])
+            out.rounds += trial.rounds
+            out.plans.update(trial.plans)
+            out.nets += trial.nets
+            for r in trial.rounds:
+                if r.passed and (r.cost_per_hour or 0.0) < (best_round.cost_per_hour or 0.0) - 1e-9:
+                    best_round, best = r, trial.plans[r.index]
     return out
 
 
@@ -502,6 +569,7 @@ def search_plan(
     subset: Planner | None = None,
     variants: Sequence[Planner] = (),
     availability: Availability | str | None = None,
+    within: Callable[[Availability], Sequence[Planner]] | None = None,
 ) -> SearchResult:
     """The cheapest plan found whose simulated attainment meets every model's `slo_attainment` on the tuning
     requests, scored on held-out ones, with per-model verdicts (module doc). With `subset` (a planner over a
@@ -513,7 +581,10 @@ def search_plan(
     cheapest passing plan of every trial is kept. Last, the cheapest plan composed of each model's passing parts
     of all rounds (`coral.planning.compose`) within `availability` (the planners'; None: no more nodes of a
     region and config than one round's plan used) is simulated as a round of its own when it is cheaper than
-    every passing round (with `subset`, failing that, the one composed of the subset's rounds alone)."""
+    every passing round; with `within` (the planners of the trials, subset first, given an availability) and a
+    table of `availability`, the refined rounds follow where models compete for its limited nodes, and one more
+    composed round. With `subset`, its rounds are composed and refined (its planner alone) before `planner`'s
+    run, as its own search would, so the result is never dearer than that search's."""
     cfg = settings or SearchSettings()
     t0 = time.perf_counter()
     say = progress or (lambda _: None)
@@ -523,13 +594,35 @@ def search_plan(
     max_rounds = cfg.max_rounds if cfg.max_rounds is not None else default_rounds(scenario)
     start = headroom(scenario)
     budget = cfg.time_budget_s if cfg.time_budget_s is not None else default_budget_s(
-        scenario, (subset is not None) + 1 + len(variants))
+        scenario, (subset is not None) + 1 + len(variants) + (within is not None and isinstance(availability, dict)))
     trials: list[_Trial] = []
+    table = availability if availability is not None and not isinstance(availability, str) else None
+
+    def finish(group: list[_Trial], within: Callable[[Availability], Sequence[Planner]] | None) -> list[_Trial]:
+        """The composed round of `group`, then (with `within`, in a market that binds) the refined rounds and
+        the composed round of all of them."""
+        limits = availability_limits(availability) if availability is not None else seen_limits(
+            [p for t in group for p in t.plans.values()])
+
+        def composed(of: list[_Trial]) -> _Trial:
+            return _composed_rounds(of, scenario, cfg, limits, evaluate, say, t0, budget,
+                                    sum(len(t.rounds) for t in trials + done))
+
+        done: list[_Trial] = []
+        done.append(composed(group))
+        if within is not None and table is not None:
+            done.append(_refined_rounds(group + done, within, table, scenario, cfg, start, evaluate, say, t0,
+                                        budget, sum(len(t.rounds) for t in trials + done)))
+            if done[-1].rounds:
+                done.append(composed(group + done))
+        return done
+
     if subset is not None:
-        say("first the rounds of the subset's own search (Coral's: the homogeneous ILP's); the plan chosen is "
-            "never dearer than theirs")
+        say("first the subset's own search (Coral's: the homogeneous ILP's), whole; the plan chosen is never "
+            "dearer than its")
         trials.append(_run_rounds(subset, scenario, cfg, start, evaluate, say, t0, max_rounds, budget,
                                   label="subset"))
+        trials += finish(trials[:1], None if within is None else lambda av: list(within(av))[:1])
     trials.append(_run_rounds(planner, scenario, cfg, start, evaluate, say, t0, max_rounds, budget,
                               sum(len(t.rounds) for t in trials)))
     for i, variant in enumerate(variants, 1):
@@ -537,11 +630,8 @@ def search_plan(
         trials.append(_run_rounds(variant, scenario, cfg, start, evaluate, say, t0, max_rounds, budget,
                                   sum(len(t.rounds) for t in trials), label=f"variant {i}"))
     last_proposal = trials[-1].headroom
-    all_plans = [p for t in trials for p in t.plans.values()]
-    limits = availability_limits(availability) if availability is not None else seen_limits(all_plans)
-    searched = len(trials)
-    trials.append(_composed_rounds(list(trials), subset is not None, scenario, cfg, limits, evaluate, say, t0,
-                                   budget, sum(len(t.rounds) for t in trials)))
+    searched = (subset is not None) + 1 + len(variants)
+    trials += finish(list(trials), within)
     rounds = [r for t in trials for r in t.rounds]
     plans = {i: p for t in trials for i, p in t.plans.items()}
     cap: dict[DemandKey, float] = {}
