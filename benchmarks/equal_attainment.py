@@ -129,7 +129,7 @@ def search_row(name: str, setting: str, sc: Scenario, method: str, lib: Template
         if plan is not None else None,
         "rounds": len(res.rounds), "rounds_meeting_targets": sum(r.passed for r in res.rounds),
         # which planner's round the plan came from: "subset" (homo-ilp's), "planner", "variant 1" (slack priced),
-        # "composed" (the cheapest passing part of each model from any rounds)
+        # "composed" (the cheapest passing part of each model from any rounds), "refined" (one model at a time)
         "chosen_trial": res.chosen_trial,
         "safety_net": res.safety_net,  # None: the row depends on its inputs alone, not on the machine's load
         "seconds": time.perf_counter() - t0,

@@ -224,3 +224,19 @@ def test_the_search_refines_one_model_at_a_time_where_models_compete() -> None:
     res = search_plan(_market_planner(plenty, greedy=True), toy_scenario(), cfg,
                       evaluate=toy_evaluator(), availability=plenty, within=lambda av: [_market_planner(av)])
     assert res.tuned_passed and all(r.trial != "refined" for r in res.rounds)
+
+
+def test_a_later_plan_of_the_same_cost_to_the_micro_dollar_is_not_chosen() -> None:
+    """Two passing rounds whose $/h differ in the last bits only (sums of the same prices in another order): the
+    earlier one is kept, so a re-ordered sum does not swap the plan (nor the trial it is credited to)."""
+    traffic = scenario_traffic(toy_scenario())
+    plans = iter([1.5, 1.5 * (1 - 1e-13), 1.5 * (1 - 1e-13)])
+
+    def scripted(demand: dict[tuple[str, Phase], float]) -> Plan:
+        times = next(plans)
+        return toy_planner({k: traffic[k] * NEEDED[k] * times for k in traffic})
+
+    res = search_plan(scripted, toy_scenario(), SearchSettings(max_rounds=2), evaluate=toy_evaluator())
+    costs = [r.cost_per_hour or 0.0 for r in res.rounds]
+    assert len(costs) == 2 and all(r.passed for r in res.rounds) and costs[1] < costs[0]
+    assert res.chosen == 0

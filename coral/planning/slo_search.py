@@ -129,7 +129,8 @@ def default_budget_s(scenario: Scenario, trials: int = 2) -> float:
     the models (more rounds, each simulating and planning more models), at most 36 minutes: core 480 s,
     extended 1920 s; half as much again for every trial beyond two (Coral's search with its slack-priced
     variant: core 720 s, extended 2880 s, which its extended search with 4 H100 GPUs at ≥ 99 % ran past at
-    1920 s on a loaded machine)."""
+    1920 s on a loaded machine); the refined rounds count as one more trial where the availability is a table
+    (Coral's search there: core 960 s, extended 3840 s)."""
     return min(2160.0, 480.0 * (len(scenario.models) / 3) ** 2) * max(1.0, trials / 2)
 
 #: share of requests kept when measuring the ceiling (requests served alone, nothing queued)
@@ -447,6 +448,12 @@ def _run_rounds(planner: Planner, scenario: Scenario, cfg: SearchSettings, start
     return trial
 
 
+def _cheapest_first(r: Round) -> tuple[float, int]:
+    """Order of passing rounds: cheapest first, to the micro-dollar (sums of the same prices in another order
+    differ in the last bits), then the earliest: a later plan of the same $/h is not chosen over an earlier one."""
+    return round(r.cost_per_hour or 0.0, 6), r.index
+
+
 def _meets(attainment: Mapping[str, float], target: Mapping[str, float], margin: float) -> dict[str, bool]:
     """Per model: whether it met its target with `margin` to spare (misses ≤ (1 − margin) × allowed)."""
     return {m: 1.0 - attainment.get(m, 0.0) <= (1.0 - t) * (1.0 - margin) for m, t in target.items()}
@@ -525,7 +532,7 @@ def _refined_rounds(trials: Sequence[_Trial], planners: Callable[[Availability],
     passing = [(r, t.plans[r.index]) for t in trials for r in t.rounds if r.passed and r.index in t.plans]
     if not passing:
         return out
-    best_round, best = min(passing, key=lambda rp: (rp[0].cost_per_hour or 0.0, rp[0].index))
+    best_round, best = min(passing, key=lambda rp: _cheapest_first(rp[0]))
     if not binds(best, availability):
         return out
     say(f"refining one model at a time, the others keeping their parts of round {best_round.index + 1} "
@@ -640,7 +647,7 @@ def search_plan(
             cap[k] = min(cap.get(k, math.inf), v)
     closest = max((t.closest for t in trials if t.closest is not None), default=None)
     passing = [r for r in rounds if r.passed]
-    chosen = min(passing, key=lambda r: (r.cost_per_hour or 0.0, r.index)) if passing else (
+    chosen = min(passing, key=_cheapest_first) if passing else (
         rounds[closest[1]] if closest is not None else None)
     net = "; ".join(n for t in trials for n in t.nets) or None
     unresponsive = {k: v for t in trials for k, v in t.unresponsive.items()}
