@@ -539,6 +539,10 @@ def _refined_rounds(trials: Sequence[_Trial], planners: Callable[[Availability],
         f"(${best.cost_per_hour:,.2f}/h): the models compete for scarce nodes")
     for m in (sm.model for sm in scenario.models):
         for planner in planners(leftover(availability, best, m)):
+            if time.perf_counter() - t0 >= budget:  # the safety net, never the budget
+                out.nets.append(f"the search's wall-clock safety net ({budget:.0f} s) stopped its refined rounds "
+                                f"at {m}")
+                return out
             room = {**best_round.headroom, **{k: v for k, v in start.items() if k[0] == m}}
             trial = _run_rounds(alone(m, best, planner), scenario, cfg, room, alone_evaluator(m, best, evaluate),
                                 say, t0, cfg.refine_rounds, budget, first_index + len(out.rounds), "refined", models=[m])
