@@ -47,8 +47,8 @@ more round (trial "composed") when it is cheaper than every passing round, and c
 models compete for scarce nodes (the best passing plan uses every node of some limited region and config), the
 search then refines one model at a time: `refine_rounds` rounds of each of its planners for that model alone,
 within what the other models' parts of the best plan leave (trial "refined"; only that model simulated, the
-others attaining what they did); a cheaper passing
-round becomes the plan the next model is refined against, and the parts of all rounds are composed once more.
+others attaining what they did); a cheaper passing round becomes the plan the next model is refined against, and
+the parts of all rounds are composed once more.
 The joint rounds move every model's demand at once and the allocator hands the scarce nodes to whichever model
 they save most at that demand, so a model's part is seldom the cheapest it could have beside the others' (on core
 with 4 L40S GPUs at >= 90 %, qwen3-32b searched alone on L4 and A10G cost $40.43/h where its part of the joint
