@@ -510,7 +510,7 @@ def binds(plan: Plan, availability: Mapping[str, Mapping[str, int]]) -> bool:
 def alone_evaluator(model: str, others: Plan, evaluate: Evaluator) -> Evaluator:
     """`evaluate` for plans that change `model`'s part only: that part simulated alone, every other model's
     attainment its own in `others` (a model's attainment depends on its own instances only, exactly:
-    `tests/test_compose.py`; on core a third of the simulation's time per round)."""
+    `tests/test_compose.py`)."""
 
     def evaluate_alone(plan: Plan, seed: int, share: float = 1.0) -> dict[str, Attainment]:
         mine = evaluate(composed_plan([part_of(plan, model, 0)]), seed, share)
@@ -604,10 +604,10 @@ def search_plan(
     evaluate = evaluate or simulator_evaluator(scenario, duration, catalog, cfg.held_out_seeds)
     max_rounds = cfg.max_rounds if cfg.max_rounds is not None else default_rounds(scenario)
     start = headroom(scenario)
-    budget = cfg.time_budget_s if cfg.time_budget_s is not None else default_budget_s(
-        scenario, (subset is not None) + 1 + len(variants) + (within is not None and isinstance(availability, dict)))
-    trials: list[_Trial] = []
     table = availability if availability is not None and not isinstance(availability, str) else None
+    budget = cfg.time_budget_s if cfg.time_budget_s is not None else default_budget_s(
+        scenario, (subset is not None) + 1 + len(variants) + (within is not None and table is not None))
+    trials: list[_Trial] = []
 
     def finish(group: list[_Trial], within: Callable[[Availability], Sequence[Planner]] | None) -> list[_Trial]:
         """The composed round of `group`, then (with `within`, in a market that binds) the refined rounds and
