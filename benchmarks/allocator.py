@@ -37,12 +37,11 @@ out/benchmarks/allocator.json.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
 import numpy as np
-from _console import table_console  # benchmarks/_console.py
+from _console import stamped_json, table_console  # benchmarks/_console.py
 from rich.console import Console
 from rich.table import Table
 
@@ -245,7 +244,7 @@ def main() -> None:
                 rows = make()
                 print_table(f"{name} ({args.scenario}, time limit {args.time_limit:g} s)", rows, console)
                 path = args.out / f"allocator-{name}.json"
-                path.write_text(json.dumps(rows, indent=2, default=str))
+                path.write_text(stamped_json(rows, indent=2, default=str))
                 console.print(f"-> {path}")
         return
     sc = load_scenario(args.scenario)
@@ -295,7 +294,7 @@ def main() -> None:
                 console)
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "allocator.json"
-    path.write_text(json.dumps({"scenario": args.scenario, "factor": args.factor, "gap": args.gap,
+    path.write_text(stamped_json({"scenario": args.scenario, "factor": args.factor, "gap": args.gap,
                                 "settings": settings, "exactness": exact, "rows": rows}, indent=2, default=str))
     console.print(f"-> {path}")
 

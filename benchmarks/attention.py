@@ -12,13 +12,12 @@ the tiny engine model's on the CPU (8 / 4 heads of 64). Both ways are timed in a
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import time
 from pathlib import Path
 
 import torch
-from _console import table_console  # benchmarks/_console.py
+from _console import stamped_json, table_console  # benchmarks/_console.py
 from rich.table import Table
 from torch.nn.functional import scaled_dot_product_attention
 
@@ -125,7 +124,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, float | str | int]]:
     table_console(pipe_width=140).print(table)
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"attention-{device.type}.json"
-    path.write_text(json.dumps({"device": name, "dtype": str(dtype), "heads": [heads, kv_heads, dim],
+    path.write_text(stamped_json({"device": name, "dtype": str(dtype), "heads": [heads, kv_heads, dim],
                                 "threads": args.threads, "rows": rows}, indent=2))
     print(f"wrote {path}")
     return rows

@@ -13,10 +13,9 @@ Prints planned $/h and SLO attainment (all requests and per model) and writes ou
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
-from _console import table_console  # benchmarks/_console.py
+from _console import stamped_json, table_console  # benchmarks/_console.py
 from allocator import with_classes  # benchmarks/allocator.py (this script's folder is on sys.path)
 from rich.table import Table
 
@@ -68,7 +67,7 @@ def main() -> None:
     console.print(table)
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "classes.json"
-    path.write_text(json.dumps({"duration_s": args.duration, "seed": args.seed, "rows": rows}, indent=2))
+    path.write_text(stamped_json({"duration_s": args.duration, "seed": args.seed, "rows": rows}, indent=2))
     console.print(f"wrote {path}")
 
 

@@ -24,7 +24,6 @@ out/benchmarks/cluster.json.
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 import threading
 import time
@@ -35,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from _console import table_console  # benchmarks/_console.py
+from _console import stamped_json, table_console  # benchmarks/_console.py
 from rich.table import Table
 
 from coral.allocation.plan import Plan
@@ -228,7 +227,7 @@ def main() -> None:
     console.print(t)
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "cluster.json"
-    path.write_text(json.dumps(result, indent=2, default=str))
+    path.write_text(stamped_json(result, indent=2, default=str))
     console.print(f"wrote {path}")
 
 

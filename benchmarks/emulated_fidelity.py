@@ -17,14 +17,13 @@ token is the same quantity on both. Prints a table and writes `--json`.
 from __future__ import annotations
 
 import asyncio
-import json
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from _console import table_console  # benchmarks/_console.py
+from _console import stamped_json, table_console  # benchmarks/_console.py
 from rich.table import Table
 from shedding_runtime import (  # benchmarks/shedding_runtime.py
     Request,
@@ -116,7 +115,7 @@ def main() -> None:
     wall = time.perf_counter() - started
     console.print(f"wall time {wall:.0f} s")
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps({"scenario": sc.name, "duration_s": args.duration, "time_scale": k,
+    args.json.write_text(stamped_json({"scenario": sc.name, "duration_s": args.duration, "time_scale": k,
                                      "seed": args.seed, "max_output": args.max_output,
                                      "plan_cost_per_hour": plan.cost_per_hour, "models": rows, "wall_s": wall},
                                     indent=1))

@@ -39,7 +39,7 @@ from pathlib import Path
 
 import httpx
 import torch
-from _console import table_console  # benchmarks/_console.py
+from _console import stamped_json, table_console  # benchmarks/_console.py
 from rich.console import Console
 from rich.table import Table
 
@@ -48,9 +48,9 @@ from coral.engine.instance import CoralInstance, EngineConfig
 from coral.engine.layout import Layout
 from coral.engine.scheduler import Request
 from coral.engine.shard import KVPool, checkpoint_layers
-from coral.engine.tiny_model import TinyLlamaSpec, make_tiny_llama
 from coral.http_serving import free_port
 from coral.perf.profiler import wait_ready
+from coral.tiny_model import TinyLlamaSpec, make_tiny_llama
 
 BLOCK_SIZE = 16
 #: pause before each server's round in the vLLM comparison: vLLM's CPU engine keeps its core busy for about a second
@@ -363,7 +363,7 @@ def main() -> None:
         console.print(f"overhead per stage hop: [bold]{per_hop:.2f} ms[/] (slope from 1 to 4 stages)")
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "engine.json"
-    path.write_text(json.dumps({
+    path.write_text(stamped_json({
         "config": vars(args) | {"out": str(args.out)},
         "decode_by_batch": decode,
         "decode_speedup_vs_batch1": {b: r["decode_tokens_per_s"] / base for b, r in decode.items()},

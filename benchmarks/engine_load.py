@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from _console import table_console  # benchmarks/_console.py
+from _console import stamped_json, table_console  # benchmarks/_console.py
 from rich.console import Console
 from rich.table import Table
 
@@ -405,7 +405,7 @@ def main() -> None:
         b = asyncio.run(node_kill(s, args.streams, args.seed, args.client_timeout))
     show(console, a, b, args)
     OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(json.dumps({"args": vars(args), "load": a, "node_kill": b}, indent=1, default=str))
+    OUT.write_text(stamped_json({"args": vars(args), "load": a, "node_kill": b}, indent=1, default=str))
     console.print(f"wrote {OUT}")
 
 

@@ -1,5 +1,6 @@
-"""Methods compared at equal SLO attainment: for Coral and each baseline, the cheapest plan found whose every model
-meets the attainment target on the tuning requests, scored on held-out requests it never saw.
+"""Methods compared at equal certified attainment: for Coral and each baseline, the cheapest plan found whose every
+model meets the attainment target, each certified by the same rule on the same held-out windows
+(`coral.planning.certify`).
 
     python benchmarks/equal_attainment.py [--scenario core extended] [--target 0.9 0.99] [--method ...]
                                           [--setting default scarce imbalanced] [--rounds N] [--budget S]
@@ -30,7 +31,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from _console import table_console  # benchmarks/_console.py
+from _console import run_stamp, stamped_json, table_console  # benchmarks/_console.py
 from rich.console import Console
 from rich.table import Table
 
@@ -77,7 +78,7 @@ def previous_default(name: str, library_dir: Path, console: Console) -> dict[str
     plan = allocate(lib, old, availability=resolve_availability(old, lib))
     row: dict[str, Any] = {"scenario": name, "cost_per_hour": plan.cost_per_hour}
     for label, sc in (("compressed", old), ("superposed", base)):
-        sets = [simulate(plan, sc, workload_for(sc, run_length_s(sc), seed, part="held_out"), duration_s=run_length_s(sc), seed=seed)
+        sets = [simulate(plan, sc, workload_for(sc, run_length_s(sc), seed), duration_s=run_length_s(sc), seed=seed)
                 for seed in SearchSettings().held_out_seeds]
         row[label] = {m.model: sum(r.model(m.model).slo_attainment for r in sets) / len(sets) for m in sets[0].models}
         console.print(f"{name} previous default ${plan.cost_per_hour:,.2f}/h, traces {label}: " + ", ".join(
@@ -121,6 +122,10 @@ def search_row(name: str, setting: str, sc: Scenario, method: str, lib: Template
         "cost_per_hour": plan.cost_per_hour if plan is not None else None,
         "met_held_out": res.met,
         "held_out": slo.held_out if slo else {}, "held_out_worst": slo.held_out_worst if slo else {},
+        # per model: the certified lower bound the verdict is on (`coral.planning.certify`), and its cost
+        "certified": {m: c.lower_bound for m, c in slo.certified.items()} if slo else {},
+        "certification_s": slo.certification_s if slo else 0.0,
+        "certification_windows": slo.certification_windows if slo else 0,
         "tuned": slo.tuned if slo else {},
         "verdict": slo.verdict if slo else {}, "held_out_seeds": slo.held_out_seeds if slo else [],
         "headroom": {f"{m}/{p.value}": round(h, 4) for (m, p), h in res.headroom.items()},
@@ -133,6 +138,7 @@ def search_row(name: str, setting: str, sc: Scenario, method: str, lib: Template
         "chosen_trial": res.chosen_trial,
         "safety_net": res.safety_net,  # None: the row depends on its inputs alone, not on the machine's load
         "seconds": time.perf_counter() - t0,
+        "meta": run_stamp(),  # where and when this row was measured (rows of --merge keep theirs)
     }, plan
 
 
@@ -175,7 +181,7 @@ def main() -> None:
     if args.previous:
         out = [previous_default(name, args.library_dir, console) for name in args.scenario]
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "previous.json").write_text(json.dumps({"rows": out}, indent=1))
+        (args.out / "previous.json").write_text(stamped_json({"rows": out}, indent=1))
         return
     merged = {(r["scenario"], r["setting"], r["target"], r["method"]): r  # a later file's row replaces an earlier one
               for f in args.merge for r in json.loads(f.read_text())["rows"]}
@@ -184,7 +190,7 @@ def main() -> None:
     plans = args.out / f"{args.name}.plans"
     args.out.mkdir(parents=True, exist_ok=True)
     if rows:
-        path.write_text(json.dumps({"rows": rows}, indent=1))
+        path.write_text(stamped_json({"rows": rows}, indent=1))
     for name in ([] if args.merge else args.scenario):
         lib = load_library(name, args.library_dir)
         for setting in args.setting:
@@ -195,7 +201,7 @@ def main() -> None:
                          resolve_availability(sc, lib, factor=SCARCE_FACTOR if setting == "scarce" else None))
                 settings = SearchSettings(max_rounds=args.rounds, time_budget_s=args.budget)
                 # one evaluator per (scenario, setting, target): a plan two searches share is simulated once
-                evaluate = simulator_evaluator(sc, run_length_s(sc), held_out_seeds=settings.held_out_seeds)
+                evaluate = simulator_evaluator(sc, run_length_s(sc), windows=settings.window_seeds)
                 for method in args.method:
                     row, plan_of_row = search_row(name, setting, sc, method, lib, avail, settings, evaluate)
                     rows.append(row)
@@ -205,10 +211,10 @@ def main() -> None:
                                   f"held-out {min(row['held_out'].values(), default=0):.1%} (least model), "
                                   f"{'meets' if row['met_held_out'] else 'MISSES'} every target, "
                                   f"{row['rounds']} rounds, {row['seconds']:.0f} s")
-                    path.write_text(json.dumps({"rows": rows}, indent=1))
-    table = Table(title="Cheapest plan meeting every model's target, scored on held-out requests")
-    for col in ("scenario", "setting", "target", "method", "$/h", "× coral", "held-out, least model",
-                "worst set", "het. inst.", "rounds", "s", "plan"):
+                    path.write_text(stamped_json({"rows": rows}, indent=1))
+    table = Table(title="Cheapest plan meeting every model's target, certified on held-out windows")
+    for col in ("scenario", "setting", "target", "method", "$/h", "× coral", "certified, least model",
+                "held-out, least model", "worst set", "het. inst.", "rounds", "s", "plan"):
         table.add_column(col, justify="left" if col in ("scenario", "setting", "method") else "right")
     for r in rows:
         coral = next((c for c in rows if (c["scenario"], c["setting"], c["target"], c["method"])
@@ -217,7 +223,8 @@ def main() -> None:
                  and coral["met_held_out"] and r["cost_per_hour"] else "–")
         table.add_row(r["scenario"], r["setting"], f"≥{r['target']:.0%}",
                       r["method"] + ("" if r["met_held_out"] else " (misses)"), f"{r['cost_per_hour'] or 0:,.2f}",
-                      ratio, f"{min(r['held_out'].values(), default=0):.1%}",
+                      ratio, f"{min(r.get('certified', {}).values(), default=0):.1%}",
+                      f"{min(r['held_out'].values(), default=0):.1%}",
                       f"{min(r['held_out_worst'].values(), default=0):.1%}", str(r["heterogeneous_instances"]),
                       str(r["rounds"]), f"{r['seconds']:.0f}", (r.get("plan_sha") or "–")[:8])
     console.print(table)

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import random
 import threading
@@ -35,7 +34,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
-from _console import table_console  # benchmarks/_console.py
+from _console import stamped_json, table_console  # benchmarks/_console.py
 from rich.table import Table
 
 from coral.allocation.allocator import allocate
@@ -44,12 +43,12 @@ from coral.catalog.loader import Catalog, builtin_catalog
 from coral.catalog.schema import NodeOffering, Scenario, ScenarioModel
 from coral.engine.instance import CoralInstance, EngineConfig
 from coral.engine.scheduler import Request
-from coral.engine.tiny_model import TinyLlamaSpec, make_tiny_llama
 from coral.perf.measured import PROFILE_FILES, MeasuredModel
 from coral.perf.model import Phase
 from coral.runtime.handmade import make_instance, make_plan
 from coral.simulation import RequestSet, simulate
 from coral.templates.build import build_library
+from coral.tiny_model import TinyLlamaSpec, make_tiny_llama
 from coral.workload.traces import load_azure, rescale, shipped_path
 
 MODEL, CONFIG, REGION = "tiny-llama", "1xCPU", "aws-us-east-2"
@@ -385,7 +384,7 @@ def main() -> None:
             for i in range(len(reqs))
         ],
     }
-    args.out.write_text(json.dumps(result, indent=1))
+    args.out.write_text(stamped_json(result, indent=1))
     console.print(f"wrote {args.out}")
 
 

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _console import table_console  # benchmarks/_console.py
+from _console import stamped_json, table_console  # benchmarks/_console.py
 from rich.table import Table
 
 from coral.http_serving import ServerThread, free_port
@@ -308,7 +308,7 @@ def main() -> None:
         "loop": args.loop,
         "load_avg_1m": os.getloadavg()[0],
     }
-    OUT.write_text(json.dumps({"config": meta, "routes": rows, "fixed_rates": fixed}, indent=2))
+    OUT.write_text(stamped_json({"config": meta, "routes": rows, "fixed_rates": fixed}, indent=2))
     table_console().print(f"wrote {OUT}")
 
 

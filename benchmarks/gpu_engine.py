@@ -15,7 +15,9 @@ random bf16 weights (one safetensors file per layer, ~16 GB at full size) under 
 2. Throughput: output tokens/s of `--requests` concurrent requests, whole vs pipeline.
 3. A measured per-layer profile (Helix layout, as `coral perf profile` writes, readable by `ProfileSet.read`):
    prefill and decode step times of shards of two layer counts, per-layer ms as the slope, in
-   `<out>/<config>/{prompt,decode}_bs2time.csv` with `<out>/profile.yaml`.
+   `<out>/<config>/{prompt,decode}_bs2time.csv` with `<out>/profile.yaml`. `--clock work` times each step by
+   its work instead (`work_seconds`: layers x tokens), so a loaded machine (or a test) gets the same profile every
+   run; that profile is the work model's, not a measurement, and its manifest says so.
 
 Writes `<out>/gpu_engine.json` and prints a summary.
 """
@@ -37,15 +39,16 @@ from pathlib import Path
 
 import torch
 import yaml
+from _console import stamped_json  # benchmarks/_console.py
 
 from coral.engine.instance import CoralInstance, EngineConfig
 from coral.engine.layout import Layout
 from coral.engine.reference import WholeModel
 from coral.engine.scheduler import Request
 from coral.engine.shard import Shard, Step
-from coral.engine.tiny_model import ARCHITECTURES, TinyLlamaSpec, TinySpec, make_tiny, make_tiny_llama
 from coral.perf.measured import MANIFEST, PROFILE_FILES, ProfileManifest, ProfileSet
 from coral.perf.model import Phase
+from coral.tiny_model import ARCHITECTURES, TinyLlamaSpec, TinySpec, make_tiny, make_tiny_llama
 
 
 @dataclass(frozen=True)
@@ -180,25 +183,50 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def step_seconds(shard: Shard, steps: list[Step], x: torch.Tensor, repeats: int = 5) -> float:
-    """Median of `repeats` runs of one micro-batch, after a warm-up run (each request's KV reset to its step's
-    start before each run)."""
+Timer = Callable[[Shard, list[Step], torch.Tensor], float]
+"""Runs one micro-batch on a shard and says how long it took."""
+
+WORK_S_PER_LAYER_TOKEN = 1e-5
+WORK_S_PER_STEP = 1e-4
+
+
+def wall_seconds(shard: Shard, steps: list[Step], x: torch.Tensor) -> float:
+    """The micro-batch's wall-clock time (the device synchronised before and after)."""
+    sync(shard.device)
+    t = time.perf_counter()
+    shard.forward_batch(steps, x)
+    sync(shard.device)
+    return time.perf_counter() - t
+
+
+def work_seconds(shard: Shard, steps: list[Step], x: torch.Tensor) -> float:
+    """The micro-batch run, timed by its work, not the clock: `WORK_S_PER_LAYER_TOKEN` per layer and token plus
+    `WORK_S_PER_STEP` (what the layer-count slope cancels), the same on any machine and load."""
+    shard.forward_batch(steps, x)
+    return WORK_S_PER_STEP + WORK_S_PER_LAYER_TOKEN * len(shard.layers) * sum(s.n for s in steps)
+
+
+CLOCKS: dict[str, Timer] = {"wall": wall_seconds, "work": work_seconds}
+
+
+def step_seconds(shard: Shard, steps: list[Step], x: torch.Tensor, repeats: int = 5,
+                 timer: Timer = wall_seconds) -> float:
+    """Median of `repeats` runs of one micro-batch timed by `timer`, after a warm-up run (each request's KV reset
+    to its step's start before each run)."""
     times = []
     for k in range(repeats + 1):
         for s in steps:
             tokens = shard.pool.tokens.get(s.rid, 0)
             if tokens > s.start:
                 shard.pool.tokens[s.rid] = s.start  # rewrite the step's slots
-        sync(shard.device)
-        t = time.perf_counter()
-        shard.forward_batch(steps, x)
-        sync(shard.device)
+        took = timer(shard, steps, x)
         if k:
-            times.append(time.perf_counter() - t)
+            times.append(took)
     return sorted(times)[len(times) // 2]
 
 
-def layer_profile(ckpt: Path, size: Size, device: str) -> dict[Phase, list[tuple[int, float]]]:
+def layer_profile(ckpt: Path, size: Size, device: str,
+                  timer: Timer = wall_seconds) -> dict[Phase, list[tuple[int, float]]]:
     """Per-layer ms by batch tokens: prefill (`size.prefill_tokens` as bursts of `size.prompt`-token prompts)
     and decode (a step of B requests with a `size.prompt`-token context), the slope between shards of two layer
     counts (which cancels the embedding and the per-step overhead). A point whose slope is not positive (noise
@@ -211,7 +239,7 @@ def layer_profile(ckpt: Path, size: Size, device: str) -> dict[Phase, list[tuple
         for total in size.prefill_tokens:
             steps = [Step(f"p{total}-{k}", 0, size.prompt, False) for k in range(max(total // size.prompt, 1))]
             x = torch.randint(7, vocab, (sum(s.n for s in steps),))
-            rows[Phase.PREFILL].append(step_seconds(shard, steps, x, size.repeats))
+            rows[Phase.PREFILL].append(step_seconds(shard, steps, x, size.repeats, timer))
             for s in steps:
                 shard.free(s.rid)
         for batch in size.decode_batches:
@@ -219,7 +247,8 @@ def layer_profile(ckpt: Path, size: Size, device: str) -> dict[Phase, list[tuple
             shard.forward_batch([Step(r, 0, size.prompt, False) for r in rids],
                                 torch.randint(7, vocab, (batch * size.prompt,)))
             steps = [Step(r, size.prompt, 1) for r in rids]
-            rows[Phase.DECODE].append(step_seconds(shard, steps, torch.randint(7, vocab, (batch,)), size.repeats))
+            rows[Phase.DECODE].append(step_seconds(shard, steps, torch.randint(7, vocab, (batch,)), size.repeats,
+                                                   timer))
             for r in rids:
                 shard.free(r)
         times[j] = rows
@@ -242,8 +271,10 @@ def layer_profile(ckpt: Path, size: Size, device: str) -> dict[Phase, list[tuple
     return rows
 
 
-def write_profile(out: Path, config: str, rows: dict[Phase, list[tuple[int, float]]], size: Size) -> None:
-    """Helix layout: headerless `batch,ms` rows from `0,0`, and the folder's profile.yaml."""
+def write_profile(out: Path, config: str, rows: dict[Phase, list[tuple[int, float]]], size: Size,
+                  clock: str = "wall") -> None:
+    """Helix layout: headerless `batch,ms` rows from `0,0`, and the folder's profile.yaml (whose source says
+    when the `clock` was the work model's)."""
     folder = out / config
     folder.mkdir(parents=True, exist_ok=True)
     for phase, pairs in rows.items():
@@ -255,7 +286,8 @@ def write_profile(out: Path, config: str, rows: dict[Phase, list[tuple[int, floa
         output_tokens=float(size.output), configs={config: config},
         source=f"{config}: measured {date} by `python {' '.join(sys.argv)}` with the Coral engine's shard on "
                f"{size.catalog_model}'s shapes, random weights (layer counts {size.layer_counts}, median of "
-               f"{size.repeats})",
+               f"{size.repeats})" + ("; timed by the work clock (layers x tokens), not measured" if clock == "work"
+                                     else ""),
     )
     (out / MANIFEST).write_text(yaml.safe_dump(manifest.model_dump(exclude_none=True), sort_keys=False))
 
@@ -302,6 +334,9 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     ap.add_argument("--layers", type=int, default=0, help="decoder layers (default: 32, or 4 on the CPU)")
     ap.add_argument("--workdir", type=Path, default=None, help="where the model is written (default: a temp dir)")
     ap.add_argument("--out", type=Path, default=Path("out/benchmarks/gpu_engine"))
+    ap.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
+                    help="what times the profiled steps: wall (measured) | work (layers x tokens: the same profile "
+                    "on any machine and load, for tests; not a measurement)")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -315,13 +350,13 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     tmp = None if args.workdir else tempfile.mkdtemp(prefix="coral-gpu-engine-")
     workdir = args.workdir or Path(str(tmp))
     try:
-        return run(size, str(device), workdir / "llama-3-8b-arch", args.out)
+        return run(size, str(device), workdir / "llama-3-8b-arch", args.out, args.clock)
     finally:
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def run(size: Size, device: str, model_dir: Path, out: Path) -> dict[str, object]:
+def run(size: Size, device: str, model_dir: Path, out: Path, clock: str = "wall") -> dict[str, object]:
     t0 = time.perf_counter()
     ckpt = make_model(model_dir, size.spec)
     made_s = time.perf_counter() - t0
@@ -359,21 +394,21 @@ def run(size: Size, device: str, model_dir: Path, out: Path) -> dict[str, object
     if torch.device(device).type == "cuda":
         torch.cuda.empty_cache()
     architectures = architectures_check(device, model_dir.parent)
-    rows = layer_profile(ckpt, size, device)
+    rows = layer_profile(ckpt, size, device, CLOCKS[clock])
     config = gpu_config(device)
-    write_profile(out, config, rows, size)
+    write_profile(out, config, rows, size, clock)
     predicted = predicted_vs_measured(out, size)
     summary: dict[str, object] = {
         "device": device, "config": config, "layers": n, "hidden": size.spec.hidden_size,
         "model_written_s": made_s, "pipeline_exact_vs_whole": pipeline_exact,
         "pipeline_tokens_equal_whole": pipe_tokens == whole_tokens, "pipeline_max_rel_logit_diff": pipeline_rel,
         "transformers_token_agreement": f"{agree}/{len(check)}", "transformers_max_rel_logit_diff": rel,
-        "throughput": results, "per_layer_ms": {str(p): r for p, r in rows.items()},
+        "throughput": results, "per_layer_ms": {str(p): r for p, r in rows.items()}, "profile_clock": clock,
         "perf_model_vs_measured": predicted, "architectures_exact_vs_transformers": architectures,
         "prompt": size.prompt, "output": size.output, "requests": size.requests,
     }
     out.mkdir(parents=True, exist_ok=True)
-    (out / "gpu_engine.json").write_text(json.dumps(summary, indent=2))
+    (out / "gpu_engine.json").write_text(stamped_json(summary, indent=2))
     print(json.dumps(summary, indent=2))
     return summary
 

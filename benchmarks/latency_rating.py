@@ -15,12 +15,11 @@ of N best GPUs, written to latency_rating.best-gpu-N.json).
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 from typing import Any
 
-from _console import table_console  # benchmarks/_console.py
+from _console import stamped_json, table_console  # benchmarks/_console.py
 from equal_attainment import best_gpu_market  # benchmarks/equal_attainment.py
 from rich.table import Table
 
@@ -87,7 +86,7 @@ def main() -> None:
         report[name] = {"rating_seconds": seconds, "keys": rows, "equal_demand": equal}
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / ("latency_rating.json" if args.market == "default" else f"latency_rating.{args.market}.json")
-    path.write_text(json.dumps(report, indent=1))
+    path.write_text(stamped_json(report, indent=1))
     console.print(f"wrote {path}")
 
 

@@ -23,12 +23,11 @@ Prints a table and writes out/benchmarks/perf_fidelity.json.
 from __future__ import annotations
 
 import argparse
-import json
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
-from _console import table_console  # benchmarks/_console.py
+from _console import stamped_json, table_console  # benchmarks/_console.py
 from rich.table import Table
 
 from coral.catalog.loader import builtin_catalog, data_path
@@ -167,7 +166,7 @@ def main() -> None:
     table_console().print(table)
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "perf_fidelity.json"
-    path.write_text(json.dumps({"profiles": str(args.profiles), "model": man.model,
+    path.write_text(stamped_json({"profiles": str(args.profiles), "model": man.model,
                                 "workload": {"input_tokens": w.input_tokens, "output_tokens": w.output_tokens},
                                 "rows": rows, "summary": summary,
                                 "monotone_floor_max_worst": max(floor.values())}, indent=2))

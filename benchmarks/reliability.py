@@ -44,7 +44,7 @@ from typing import Any
 
 import httpx
 import yaml
-from _console import table_console  # benchmarks/_console.py
+from _console import stamped_json, table_console  # benchmarks/_console.py
 from pydantic import ValidationError
 from rich.table import Table
 
@@ -426,14 +426,18 @@ def file_cases(valid: dict[str, Any], suffix: str, rng: random.Random) -> list[t
         ("unicode keys", dump({**valid, "名前🙂": "值"})),
     ]
     for key in valid:
-        for v in (None, -1, "x", [], {}, True, "🙂\u202e"):
+        for v in (None, -1, "x", [], {}, True, "🙂\u202e", 1e308):
             cases.append((f"{key}={v!r}", dump({**valid, key: v})))
+        if suffix == ".json":  # numbers Python's json reads and no JSON writer writes back
+            for raw in ("1e400", "NaN", "-Infinity"):
+                cases.append((f"{key}={raw}", dump({**valid, key: "@@"}).replace('"@@"', raw)))
     return cases
 
 
 def fuzz_files(rng: random.Random) -> Case:
-    """Broken scenario, plan, endpoints and key files: each loads, or is refused with CoralInputError naming the
-    file (the named outcome)."""
+    """Broken scenario, plan, endpoints and key files, numbers that are not finite among them, and paths that are
+    no regular file (a FIFO nobody writes, /dev/zero, a 2 GB sparse file): each loads, or is refused at once with
+    CoralInputError naming the file (the named outcome)."""
     t = Case("fuzz: input files", expects=("CoralInputError naming the file",))
     plan = make_plan([make_instance("phi-4", "decode", [(40, ["1xL40S"])], 100.0)])
     endpoints = EndpointsFile(
@@ -447,10 +451,19 @@ def fuzz_files(rng: random.Random) -> Case:
         ("api keys", {"k": "sk-valid-key-1"}, ".txt", lambda p: load_secrets("CORAL_FUZZ_UNSET", p)),
     ]
     with tempfile.TemporaryDirectory() as tmp:
+        fifo = Path(tmp) / "nobody-writes.fifo"
+        os.mkfifo(fifo)  # read, it would block forever
+        sparse = Path(tmp) / "sparse.json"
+        with sparse.open("wb") as f:
+            f.truncate(2 << 30)  # 2 GB of nothing: read, it would fill memory
+        not_files: list[tuple[str, Path | str | bytes | None]] = [
+            ("a FIFO", fifo), ("/dev/zero", Path("/dev/zero")), ("a 2 GB sparse file", sparse)]
         for kind, valid, suffix, load in loaders:
-            for k, (name, content) in enumerate(file_cases(valid, suffix, rng)):
+            for k, (name, content) in enumerate([*file_cases(valid, suffix, rng), *not_files]):
                 path = Path(tmp) / f"{kind.replace(' ', '_')}-{k}{suffix}"
-                if isinstance(content, bytes):
+                if isinstance(content, Path):
+                    path = content
+                elif isinstance(content, bytes):
                     path.write_bytes(content)
                 elif content is not None:
                     path.write_text(content)
@@ -757,7 +770,8 @@ def attack_slow_connections(n: int = 200) -> Case:
 
 
 def attack_replan() -> Case:
-    """/replan with 100k-deep JSON, garbage, a plan with an injected id, and a chunked body past the limit:
+    """/replan with 100k-deep JSON, garbage, a plan with an injected id, a chunked body past the limit, and plans
+    with numbers that are not finite or out of range or a class name with a line break (then /state answers 200):
     each a JSON 4xx naming the reason (the named outcome); and `coral deploy` of a plan with an injected id
     writes nothing."""
     from coral.deploy.render import render
@@ -769,13 +783,20 @@ def attack_replan() -> Case:
     srv = ServerThread(app).start(startup_s())
     doc = make_plan([make_instance("phi-4", "decode", [(40, ["1xL40S"])], 100.0)]).model_dump(mode="json")
     doc["instances"][0]["id"] = "x\ntouch /tmp/pwned #"
+    unfinite = [json.dumps({**doc, "instances": [{**doc["instances"][0], "id": "phi-4.decode.0", **change}]})
+                .replace('"@@"', raw).encode() for raw, change in (
+                    ("1e400", {"throughput": "@@"}), ("Infinity", {"throughput": "@@"}),
+                    ("0", {"template_id": -1, "throughput": 1e308}), ("0", {"class_throughput": {"a\nb": 1.0}}))]
     try:
         with httpx.Client(base_url=srv.url, timeout=30) as http:
             bodies: list[bytes | Iterator[bytes]] = [b"[" * 100_000 + b"]" * 100_000, b"{garbage",
-                                                     json.dumps(doc).encode(), (b" " * 65536 for _ in range(40))]
+                                                     json.dumps(doc).encode(), (b" " * 65536 for _ in range(40)),
+                                                     *unfinite]
             for body in bodies:
                 r = http.post("/replan", content=body)
                 t.count(outcome_of(r.status_code, r.headers, r.content, False))
+            state = http.get("/state")  # what a stored infinity once broke
+            t.check(state.status_code == 200, f"/state answered {state.status_code} after the refused plans")
     finally:
         srv.stop()
     try:
@@ -899,7 +920,7 @@ def main() -> None:
     console.print(f"total: {total['tried']} tried, {total['ok']} ok, {total['expected']} expected errors (named), "
                   f"{total['failed']} failed, {total['lost']} lost in {wall_s:.0f} s")
     OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(json.dumps({"args": vars(args), "time_scale": TIME_SCALE, "read_only_fault": IMMUTABLE,
+    OUT.write_text(stamped_json({"args": vars(args), "time_scale": TIME_SCALE, "read_only_fault": IMMUTABLE,
                                "wall_s": round(wall_s, 1), "total": total, "cases": [t.row() for t in cases]},
                               indent=1))
     console.print(f"wrote {OUT}")

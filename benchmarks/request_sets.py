@@ -16,11 +16,10 @@ Writes out/benchmarks/request_sets.json.
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 from typing import Any
 
-from _console import table_console  # benchmarks/_console.py
+from _console import stamped_json, table_console  # benchmarks/_console.py
 from rich.table import Table
 
 from coral.allocation.demand import model_burst, run_length_s
@@ -72,7 +71,7 @@ def main() -> None:
         console.print(table)
     path = args.out / "benchmarks" / "request_sets.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=2) + "\n")
+    path.write_text(stamped_json(report, indent=2) + "\n")
     console.print(f"wrote {path}")
 
 

@@ -18,13 +18,12 @@ beside Coral's and homo-ilp's searched plans, and writes out/benchmarks/scarce_s
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from _console import table_console  # benchmarks/_console.py
+from _console import stamped_json, table_console  # benchmarks/_console.py
 from equal_attainment import best_gpu_market, with_target
 from rich.table import Table
 
@@ -144,7 +143,7 @@ def main() -> None:
         f"${homo:,.2f}/h ({homo / coral:.3f}x" + (f"; at the split {homo / split:.3f}x" if split else "") + ")")
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"{args.name}.json"
-    path.write_text(json.dumps({"scenario": args.scenario, "gpus": args.gpus, "target": args.target, "rows": rows,
+    path.write_text(stamped_json({"scenario": args.scenario, "gpus": args.gpus, "target": args.target, "rows": rows,
                                 "split": {p.model: share_of[id(p)] for p in best or []},
                                 "split_cost_per_hour": split, "split_held_out": held, "coral_cost_per_hour": coral,
                                 "homo_ilp_cost_per_hour": homo, "seconds": time.perf_counter() - t0}, indent=1))

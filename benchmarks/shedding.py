@@ -16,11 +16,10 @@ out/benchmarks/shedding.json).
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
-from _console import table_console  # benchmarks/_console.py
+from _console import stamped_json, table_console  # benchmarks/_console.py
 from rich.table import Table
 
 from coral.allocation.allocator import allocate
@@ -93,7 +92,7 @@ def main() -> None:
         console.print(f"shed={shed}: mean ${row['mean_cost_per_hour']:,.2f}/h, {row['wall_s']:.1f} s; "
                       + "; ".join(row["notes"]))
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps({"scenario": sc.name, "lose": args.lose, "at_s": args.at, "seed": args.seed,
+    args.json.write_text(stamped_json({"scenario": sc.name, "lose": args.lose, "at_s": args.at, "seed": args.seed,
                                      "duration_s": duration, "runs": rows}, indent=1))
     console.print(f"wrote {args.json}")
 

@@ -35,7 +35,7 @@ from typing import Any
 
 import httpx
 import numpy as np
-from _console import table_console  # benchmarks/_console.py
+from _console import stamped_json, table_console  # benchmarks/_console.py
 from rich.table import Table
 
 from coral.allocation.allocator import allocate
@@ -309,7 +309,7 @@ def main() -> None:
     wall = time.perf_counter() - started
     console.print(f"wall time {wall:.0f} s")
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps({"scenario": sc.name, "lose": args.lose, "time_scale": k, "before_s": args.before,
+    args.json.write_text(stamped_json({"scenario": sc.name, "lose": args.lose, "time_scale": k, "before_s": args.before,
                                      "after_s": args.after, "seed": args.seed, "max_output": args.max_output,
                                      "plan_after_loss": {f"{s.model}/{s.phase}": s.served_fraction
                                                          for s in loss_plan.serving},

@@ -12,11 +12,10 @@ Planning is not timed; only `simulate` is.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 from pathlib import Path
 
-from _console import table_console  # benchmarks/_console.py
+from _console import stamped_json, table_console  # benchmarks/_console.py
 from rich.table import Table
 
 from coral.allocation.allocator import allocate
@@ -64,7 +63,7 @@ def main() -> None:
     console.print(table)
     out = args.out / "benchmarks" / "simulator.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({
+    out.write_text(stamped_json({
         "scenario": sc.name, "duration_s": args.duration, "plan_method": plan.method,
         "instances": len(plan.instances), "target_wall_s": TARGET_S, "python": platform.python_version(),
         "machine": platform.machine(), "runs": rows,

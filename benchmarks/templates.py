@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from _console import table_console  # benchmarks/_console.py
+from _console import stamped_json, table_console  # benchmarks/_console.py
 from rich.table import Table
 
 from coral.catalog.loader import builtin_catalog, load_scenario
@@ -148,7 +148,7 @@ def main() -> None:
             table.add_row(k, f"{v:,}" if isinstance(v, int) else str(v))
     console.print(table)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "templates.json").write_text(json.dumps(result, indent=2))
+    (args.out / "templates.json").write_text(stamped_json(result, indent=2))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """uvicorn for Coral's servers: bounded header reads and shutdown (`server_config`, `DrainingServer`), and
 `ServerThread`, an app served in a background thread on loopback (engine instances, tests, emulated engines), and
-`unless_disconnected`, which cancels a request's work when its client leaves before the answer.
+`unless_disconnected`, which cancels a request's work when its client leaves before the answer, and `PagePolicy`,
+which gives HTML pages their Content-Security-Policy.
 
 A top-level module, below both the runtime (`coral serve`'s gateway and controller, `coral.runtime`) and the
 engine (`coral.engine`, whose instances serve the OpenAI API with `ServerThread`): the engine imports nothing
@@ -18,8 +19,11 @@ error event and `[DONE]`), for at most `CLOSE_S`, and what is left after that is
 from __future__ import annotations
 
 import asyncio
+import base64
+import hashlib
 import json
 import logging
+import re
 import socket
 import threading
 import time
@@ -229,6 +233,65 @@ class _EndQuietly:
             elif stream:
                 end = f"data: {json.dumps(body)}\n\ndata: [DONE]\n\n".encode()
                 await send({"type": "http.response.body", "body": end, "more_body": False})
+
+
+_INLINE_SCRIPT = re.compile(r"<script(?![^>]*\btype=\"application/json\")[^>]*>(.*?)</script>", re.S | re.I)
+
+
+def content_security_policy(page: str) -> str:
+    """The Content-Security-Policy of one of Coral's self-contained HTML pages (the report, the dashboard): its
+    own inline scripts only, by their SHA-256 (JSON data blocks are not scripts), inline styles (the page sets
+    style attributes), images from data: URLs, fetches to its own origin (the dashboard's polling); no other
+    source, no plugins, no <base>, no forms, no framing by other sites."""
+    hashes = [base64.b64encode(hashlib.sha256(body.encode()).digest()).decode()
+              for body in _INLINE_SCRIPT.findall(page)]
+    scripts = " ".join(f"'sha256-{h}'" for h in hashes) or "'none'"
+    return (f"default-src 'none'; script-src {scripts}; style-src 'unsafe-inline'; img-src data:; "
+            "connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
+
+
+def with_policy_meta(page: str) -> str:
+    """`page` with its `content_security_policy` in a `<meta http-equiv>` first in its head, for a page opened
+    as a file (`coral report`), which has no headers (a meta policy cannot say frame-ancestors: left out)."""
+    policy = content_security_policy(page).replace("; frame-ancestors 'none'", "")
+    meta = f'<meta http-equiv="Content-Security-Policy" content="{policy}">'
+    return page.replace("<head>", f"<head>\n{meta}", 1)
+
+
+class PagePolicy:
+    """ASGI middleware: every text/html answer under one of `prefixes` (Coral's own pages: the dashboard) gets
+    its `content_security_policy` header (the page is read whole first: Coral's pages are small and never
+    streamed)."""
+
+    def __init__(self, app: Any, prefixes: tuple[str, ...] = ("/dashboard",)) -> None:
+        self.app, self.prefixes = app, prefixes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith(self.prefixes):
+            return await self.app(scope, receive, send)
+        start: Message | None = None
+        chunks: list[bytes] = []
+
+        async def send_with_policy(message: Message) -> None:
+            nonlocal start
+            if message["type"] == "http.response.start":
+                headers = dict(message.get("headers", []))
+                if not headers.get(b"content-type", b"").startswith(b"text/html"):
+                    return await send(message)
+                start = message
+                return None
+            if start is None or message["type"] != "http.response.body":
+                return await send(message)
+            chunks.append(message.get("body", b""))
+            if message.get("more_body", False):
+                return None
+            page = b"".join(chunks)
+            policy = content_security_policy(page.decode(errors="replace")).encode()
+            await send({**start, "headers": [*start.get("headers", []), (b"content-security-policy", policy)]})
+            await send({"type": "http.response.body", "body": page})
+            return None
+
+        await self.app(scope, receive, send_with_policy)
 
 
 def free_port(host: str = "127.0.0.1") -> int:

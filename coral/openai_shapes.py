@@ -64,7 +64,7 @@ Stop = Annotated[
 
 
 class _Shape(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
 
 class TextPart(_Shape):
@@ -254,9 +254,12 @@ def error_type(status: int) -> str:
 
 
 def bearer_token(authorization: str) -> str:
-    """The token of an `Authorization: Bearer TOKEN` header value (the scheme in any case), else ''."""
+    """The token of an `Authorization: Bearer TOKEN` header value (the scheme in any case, one space, a token
+    without whitespace: RFC 6750's form), else ''."""
     scheme, _, token = authorization.strip().partition(" ")
-    return token.strip() if scheme.lower() == "bearer" else ""
+    if scheme.lower() != "bearer" or not token or any(c.isspace() for c in token):
+        return ""
+    return token
 
 
 def bearer_allowed(authorization: str, expected: str | None) -> bool:

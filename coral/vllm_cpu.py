@@ -37,7 +37,7 @@ CPU_DEVICE = "CPU"
 """GPU-catalog name of a CPU node (`1xCPU`): instances on it run on vLLM's CPU backend."""
 MISMATCHED_PACKAGES = ("torchvision", "torchaudio", "torchcodec")
 TINY_MODEL = "tiny-llama"
-"""Catalog name of the tiny Llama model (`coral.engine.tiny_model`), made locally instead of downloaded."""
+"""Catalog name of the tiny Llama model (`coral.tiny_model`), made locally instead of downloaded."""
 
 
 def cache_dir() -> Path:
@@ -125,7 +125,7 @@ def model_source(arch: ModelArch) -> str:
     """What vLLM loads for a catalog model: for `tiny-llama`, a local config + tokenizer of its shape (made once
     in the cache), else its Hugging Face id."""
     if arch.name == TINY_MODEL:
-        from coral.engine.tiny_model import TinyLlamaSpec, make_tiny_llama
+        from coral.tiny_model import TinyLlamaSpec, make_tiny_llama
 
         spec = TinyLlamaSpec(
             num_hidden_layers=arch.num_hidden_layers,

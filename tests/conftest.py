@@ -88,7 +88,7 @@ def pytest_report_collectionfinish(config: pytest.Config, start_path: Path, item
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from coral.engine.tiny_model import TinyLlamaSpec, make_tiny_llama
+    from coral.tiny_model import TinyLlamaSpec, make_tiny_llama
 
     return make_tiny_llama(tmp_path_factory.mktemp("ckpt") / "tiny",
                            TinyLlamaSpec(num_hidden_layers=4, initializer_range=0.25))

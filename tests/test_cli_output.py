@@ -200,11 +200,13 @@ def test_run_search_status_names_the_round_and_the_request_set() -> None:
     watch = SearchStatus("coral", Status(), printed, lambda plan, seed, share: {})  # type: ignore[arg-type]
     watch.show("round 1: $57.62/h, phi-4 92.4% - meets every target")
     fake = Plan.model_construct(cost_per_hour=57.62)
-    watch.evaluate(fake, 10, 1.0)
+    watch(fake, 10, 1.0)
     assert shown[-1].startswith("coral round 2: simulating the $57.62/h plan on request set 10")
-    watch.show("scoring the chosen plan (round 1) on 2 held-out request sets")
-    watch.evaluate(fake, 1, 0.02)
-    assert shown[-1].startswith("coral held-out scoring: simulating") and "(2% of it)" in shown[-1]
+    watch.show("confirmed 3 parts of 4 looked at on 8 fresh tuning windows; certifying the $57.62/h plan on 20 "
+               "held-out windows")
+    watch.many(fake, [1000, 1001], 0.02)
+    assert shown[-1].startswith("coral certification: simulating the $57.62/h plan on 2 request sets")
+    assert "(2% of each)" in shown[-1]
     assert "coral round 1: $57.62/h" in printed.file.getvalue()  # type: ignore[attr-defined]
 
 
@@ -227,7 +229,12 @@ def test_allocate_at_80_columns_keeps_every_template_string_whole(out: Path, pla
     lines = text.splitlines()
     assert names and all(any(n in line for line in lines) for n in names), text
     assert max(len(line) for line in lines) <= 80
-    assert "left out for the terminal's width: served, demand tok/s, capacity tok/s, spare" in " ".join(text.split())
+    # detail columns go (in the order named), never the template strings; which ones depends on the plan's width
+    said = " ".join(text.split())
+    assert "left out for the terminal's width:" in said
+    left = said.split("left out for the terminal's width:")[1]
+    named = [c.strip() for c in left.split(";")[0].split(",")]
+    assert "spare" in named and set(named) <= {"served", "demand tok/s", "capacity tok/s", "spare"}
 
 
 def test_allocate_with_offerings_keeps_the_default_plan(out: Path, plan_path: Path, tmp_path: Path) -> None:

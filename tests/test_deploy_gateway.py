@@ -109,7 +109,7 @@ def test_one_gateway_routes_every_model_and_phase_to_the_rendered_engines(tmp_pa
 def test_the_gateway_reads_keys_from_the_variables_coral_gateway_reads():
     assert (gateway.API_KEYS_ENV, gateway.READ_TOKENS_ENV, gateway.ADMIN_TOKEN_ENV) == (
         runtime.API_KEYS_ENV, runtime.READ_TOKENS_ENV, runtime.ADMIN_TOKEN_ENV)
-    assert "/health" in OPEN_PATHS  # the readiness probes need no key
+    assert {"/health", "/ready"} <= OPEN_PATHS  # the liveness and readiness probes need no key
 
 
 # --- kubernetes ---------------------------------------------------------------------------------------------------
@@ -145,7 +145,8 @@ def test_kubernetes_gateway_is_a_deployment_and_service_over_the_engine_services
     assert refs == {"CORAL_API_KEYS": {"name": "coral-gateway", "key": "api-keys"},  # required: no open gateway
                     "CORAL_READ_TOKENS": {"name": "coral-gateway", "key": "read-tokens", "optional": True}}
     assert "resources" not in ctr and "nodeSelector" not in pod["spec"]  # no GPU
-    assert ctr["image"] == CORAL_IMAGE and ctr["readinessProbe"]["httpGet"] == {"path": "/health", "port": 8080}
+    assert ctr["image"] == CORAL_IMAGE and ctr["readinessProbe"]["httpGet"] == {"path": "/ready", "port": 8080}
+    assert ctr["livenessProbe"]["httpGet"] == {"path": "/health", "port": 8080}
     assert svc["metadata"]["name"] == GATEWAY
     assert svc["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
     assert svc["spec"]["ports"] == [{"name": "http", "port": 8080, "targetPort": 8080}]
@@ -244,7 +245,7 @@ def test_skypilot_gateway_is_filled_from_sky_serve_status(tmp_path, engine):
     assert "accelerators" not in task["resources"] and task["resources"]["image_id"] == f"docker:{CORAL_IMAGE}"
     assert (task["resources"]["cloud"], task["resources"]["region"]) == ("aws", "us-east-2")
     assert task["service"]["ports"] == task["resources"]["ports"] == 8080
-    assert task["service"]["readiness_probe"]["path"] == "/health"
+    assert task["service"]["readiness_probe"]["path"] == "/ready"
 
 
 def test_skypilot_gateway_passes_sky_serve_up_checks(tmp_path):

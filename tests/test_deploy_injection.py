@@ -20,7 +20,7 @@ from pydantic import ValidationError
 
 from coral.allocation.plan import ModelServing, Plan, PlanClass, SloCheck, SolveReport
 from coral.catalog.loader import CoralInputError, load_scenario
-from coral.catalog.schema import Scenario
+from coral.catalog.schema import Scenario, shown
 from coral.deploy.coral_engine import CORAL_TARGETS
 from coral.deploy.endpoints import EndpointsFile
 from coral.deploy.render import TARGETS, render
@@ -48,7 +48,7 @@ RENDERS = [("vllm", t) for t in TARGETS] + [("coral", t) for t in CORAL_TARGETS]
 
 def payload_plan(text: str) -> Plan:
     """Single-stage instances (one over two configs), a two-config pipeline and a one-config pipeline, with `text`
-    in every free-text field of the plan."""
+    in every free-text field of the plan (escaped where a field takes printable text only: class names)."""
     insts = [
         make_instance("phi-4", "prefill", [(40, ["1xL40S"])], 5000.0, template_id=1),
         make_instance("phi-4", "decode", [(40, ["1xL40S", "1xL4"])], 800.0, template_id=2),
@@ -56,11 +56,12 @@ def payload_plan(text: str) -> Plan:
         make_instance("qwen3-32b", "prefill", [(32, ["1xL4"]), (32, ["1xL4"])], 300.0, template_id=4),
         make_instance("qwen3-32b", "decode", [(64, ["1xL40S"])], 700.0, template_id=5),
     ]
-    insts[0].class_throughput = {text: 5000.0}
+    label = shown(text)  # class names are printable labels (the schema refuses line breaks there)
+    insts[0].class_throughput = {label: 5000.0}
     plan = make_plan(insts, scenario=text)
     plan.method = text
     plan.created_at = text
-    plan.request_classes = {"phi-4": [PlanClass(name=text, share=1.0, mean_input_tokens=100, mean_output_tokens=10)]}
+    plan.request_classes = {"phi-4": [PlanClass(name=label, share=1.0, mean_input_tokens=100, mean_output_tokens=10)]}
     plan.serving = [ModelServing(model=text, phase="prefill", demand=1, capacity=1, served_fraction=1,
                                  cost_per_hour=1)]
     plan.solve = SolveReport(status=text, notes=[text], safety_net=text)
@@ -149,7 +150,7 @@ def test_no_plan_string_runs_or_injects(tmp_path: Path, payload: str) -> None:
                         assert Plan.model_validate_json(doc["data"]["plan.json"]) == plan
                     elif doc.get("kind") == "ConfigMap":  # the gateway's: the plan's classes as they are
                         spec = EndpointsFile.model_validate_json(doc["data"]["endpoints.json"])
-                        assert [c.name for c in spec.request_classes["phi-4"]] == [payload]
+                        assert [c.name for c in spec.request_classes["phi-4"]] == [shown(payload)]
                     for c in containers(doc):
                         values = c.get("args", []) + [e["value"] for e in c.get("env", []) if "value" in e]
                         assert all(kubelet_refs(v) <= KUBELET_VARS for v in values), (f.name, values)

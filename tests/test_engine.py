@@ -22,8 +22,8 @@ from coral.engine.layout import Layout, scale_layers
 from coral.engine.reference import WholeModel
 from coral.engine.scheduler import Request, Scheduler, SmoothWRR
 from coral.engine.shard import KVPool, PoolFull, Shard, free_memory
-from coral.engine.tiny_model import TinyLlamaSpec, make_tiny_llama
 from coral.runtime.handmade import make_instance
+from coral.tiny_model import TinyLlamaSpec, make_tiny_llama
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -447,7 +447,9 @@ def test_gpu_configuration_selects_nccl_and_cuda_devices(ckpt):
 
 def test_gpu_engine_benchmark_runs_tiny_on_cpu(tmp_path):
     """benchmarks/gpu_engine.py at its tiny size on the CPU: the model written locally (Llama-3 shapes scaled
-    down, bf16), the 2-stage pipeline exactly the whole model, a per-layer profile ProfileSet can read."""
+    down, bf16), the 2-stage pipeline exactly the whole model, a per-layer profile ProfileSet can read. The
+    profile's steps are timed by the work clock (layers x tokens), so a loaded machine cannot make it too noisy
+    to profile: the points are the work model's, every one kept."""
     import subprocess
     import sys
     from pathlib import Path
@@ -458,7 +460,7 @@ def test_gpu_engine_benchmark_runs_tiny_on_cpu(tmp_path):
     root = Path(__file__).resolve().parents[1]
     out = tmp_path / "out"
     proc = subprocess.run([sys.executable, str(root / "benchmarks" / "gpu_engine.py"), "--device", "cpu",
-                           "--workdir", str(tmp_path / "work"), "--out", str(out)],
+                           "--workdir", str(tmp_path / "work"), "--out", str(out), "--clock", "work"],
                           cwd=root, capture_output=True, text=True, timeout=480)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((out / "gpu_engine.json").read_text())
@@ -467,6 +469,10 @@ def test_gpu_engine_benchmark_runs_tiny_on_cpu(tmp_path):
     profiles = ProfileSet.read(out)
     assert {phase for _, phase in profiles.profiles} == {Phase.PREFILL, Phase.DECODE}
     assert all((prof.seconds > 1e-6).all() for prof in profiles.profiles.values())  # no clamped point
+    rows = summary["per_layer_ms"]  # every point kept, and the work model's: 10 us per layer and token
+    assert summary["profile_clock"] == "work" and {p: [b for b, _ in r] for p, r in rows.items()} == {
+        "prefill": [16, 64], "decode": [1, 4]}
+    assert all(ms == pytest.approx(0.01 * b) for r in rows.values() for b, ms in r)
     assert {r["config"] for r in summary["perf_model_vs_measured"]} == {"1xCPU"}
     assert all(all(exact.values()) for exact in summary["architectures_exact_vs_transformers"].values())
     assert len(summary["architectures_exact_vs_transformers"]) == 5

@@ -1,5 +1,5 @@
 """Every architecture of the model catalog on the Coral engine (llama, phi3, qwen3, qwen3_moe, gpt_oss), each on a
-tiny checkpoint of its real structure (`coral.engine.tiny_model.make_tiny`): greedy outputs are token-identical
+tiny checkpoint of its real structure (`coral.tiny_model.make_tiny`): greedy outputs are token-identical
 to transformers' own `generate(do_sample=False)` on one whole-model node, an uneven pipeline, two data-parallel
 nodes in a stage (thread nodes, chunked prefills), tensor parallelism 2 (two gloo processes running the shards;
 marked slow: the MoE architectures through an instance's node processes), and PD (a prefill instance hands its KV
@@ -24,7 +24,7 @@ from test_engine import local, run_requests
 
 from coral.engine.layout import Layout
 from coral.engine.shard import Shard, Step
-from coral.engine.tiny_model import ARCHITECTURES, TinySpec, make_tiny
+from coral.tiny_model import ARCHITECTURES, TinySpec, make_tiny
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -18,10 +18,10 @@ import pytest
 
 from coral.engine.instance import CoralInstance
 from coral.engine.reference import WholeModel
-from coral.engine.tiny_model import TinyLlamaSpec, make_tiny, make_tiny_llama
 from coral.http_serving import free_port
 from coral.runtime.coral_backend import SERVE_MODEL_LAYERS
 from coral.runtime.handmade import make_instance, make_plan
+from coral.tiny_model import TinyLlamaSpec, make_tiny, make_tiny_llama
 
 openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.timeout(420)  # process start-up is slow on a loaded 2-core machine

@@ -33,7 +33,7 @@ from coral.engine.sampling import (
     token_seed,
 )
 from coral.engine.scheduler import Request
-from coral.engine.tiny_model import TinyLlamaSpec, make_tiny_llama
+from coral.tiny_model import TinyLlamaSpec, make_tiny_llama
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -3,6 +3,8 @@ meet the SLO served alone (as the simulator serves them), and the allocator's us
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -104,16 +106,20 @@ def test_rating_predicts_what_the_simulator_charges_a_request_served_alone(core_
         assert got["tpot"] == pytest.approx(share_d[t], abs=0.02), (lib.template(int(t)), got)
 
 
-def test_allocator_uses_only_templates_within_the_latency_floor(core_lib: TemplateLibrary) -> None:
+def test_allocator_meets_the_pooled_latency_rule(core_lib: TemplateLibrary) -> None:
+    """Every instance's template reaches the target alone, and each key's instances together miss at most the
+    quarter allowance (capacity-weighted, as requests spread over them)."""
     sc = load_scenario("core")
     cat = market_catalog(sc)
     rating = scenario_latency(core_lib, sc, cat)
     assert any(len(kl.kept) < len(kl.rows) for kl in rating.values())  # the rating removes templates on core
     plan = allocate(core_lib, sc, availability="unlimited", catalog=cat)
-    for inst in plan.instances:
-        kl = rating[(inst.model, Phase(inst.phase))]
-        assert inst.template_id in kl.kept
-        assert kl.share[np.searchsorted(kl.rows, inst.template_id)] >= kl.floor
+    for key, kl in rating.items():
+        inst = [i for i in plan.instances if (i.model, Phase(i.phase)) == key]
+        assert all(i.template_id in kl.kept for i in inst)
+        share = kl.share[np.searchsorted(kl.rows, [i.template_id for i in inst])]
+        thr = np.array([i.throughput for i in inst])
+        assert thr @ share >= kl.level * thr.sum() - 1e-9
     before = allocate(core_lib, sc, availability="unlimited", catalog=cat, latency=False)
     assert plan.cost_per_hour >= before.cost_per_hour - 1e-6  # fewer columns never cost less
     low = sc.model_copy(update={"models": [m.model_copy(update={"slo_attainment": 0.5}) for m in sc.models]})
@@ -130,8 +136,8 @@ def test_latency_bound_model_is_named_with_what_would_help(core_lib: TemplateLib
     cat = market_catalog(tight)
     rating = scenario_latency(lib, tight, cat)
     kl = rating[("gpt-oss-20b", Phase.PREFILL)]
-    assert kl.bound and 0 < kl.best < kl.floor
-    assert (kl.share[np.isin(kl.rows, kl.kept)] >= kl.best - (1 - 0.9) / 4 - 1e-12).all()
+    assert kl.bound and 0 < kl.best < kl.floor and kl.level == pytest.approx(kl.best - (1 - 0.9) / 4)
+    assert (kl.share[np.isin(kl.rows, kl.kept)] >= min(0.9, kl.level) - 1e-12).all()
     plan = allocate(lib, tight, availability="unlimited", catalog=cat)
     assert any("gpt-oss-20b/prefill is latency-bound" in n for n in plan.solve.notes)
 
@@ -206,11 +212,13 @@ def test_at_equal_capacity_mixed_templates_attain_what_homogeneous_ones_do(core_
 
 def test_at_equal_demand_coral_pricing_slack_attains_what_homo_ilp_does(core_lib: TemplateLibrary) -> None:
     """At the percentile rule's demand on core (what every search asks first), Coral's allocator as the search's
-    variant runs it (slack priced, `SEARCH_SLACK`) is no dearer than homo-ilp and attains, per model, at least
-    what homo-ilp's plan attains less the simulator's seed noise: two standard errors of the difference of the
-    two means over the three tuning sets. The plain cost optimum ($51.78/h against $52.29/h) fails it, measured:
-    gpt-oss-20b 92.9 % against 96.6 % (noise 1.1 points), planning 4.20x its prefill traffic where homo-ilp's
-    whole instances carry 4.58x (phi-4: 88.7 % against 92.2 %, 2.05x against 2.30x)."""
+    variant runs it (slack priced, `SEARCH_SLACK`) is no dearer than homo-ilp priced alike (its objective: $/h
+    less the slack's worth) and attains, per model, at least what homo-ilp's plain cost plan attains less the
+    simulator's seed noise: two standard errors of the difference of the two means over the three tuning sets.
+    The plain cost optimum ($51.78/h against homo-ilp's $52.03/h) fails it, measured: phi-4 88.7 % against
+    92.2 %, planning 1.00x its prefill demand where homo-ilp's whole instances carry 1.12x. (Under the former
+    per-template latency floor homo-ilp's plain plan cost $52.29/h, as much as Coral's slack-priced one; the
+    pooled rule lets it mix cheaper gpt-oss-20b prefill templates: 93 % attained against 97 %.)"""
     from coral.planning.slo_search import SEARCH_SLACK, SearchSettings
 
     sc = load_scenario("core")
@@ -218,7 +226,9 @@ def test_at_equal_demand_coral_pricing_slack_attains_what_homo_ilp_does(core_lib
     demand = scenario_demand(sc)
     homo = homo_ilp(core_lib, sc, demand=demand, availability="unlimited", catalog=cat)
     coral = allocate(core_lib, sc, demand=demand, availability="unlimited", catalog=cat, slack=SEARCH_SLACK)
-    assert coral.cost_per_hour <= homo.cost_per_hour + 1e-6
+    priced = homo_ilp(core_lib, sc, demand=demand, availability="unlimited", catalog=cat, slack=SEARCH_SLACK)
+    assert coral.solve.objective is not None and priced.solve.objective is not None
+    assert coral.solve.objective <= priced.solve.objective + 1e-6
     evaluate = simulator_evaluator(sc, run_length_s(sc), cat)
     seeds = SearchSettings().tune_seeds
     got = {name: [evaluate(plan, seed, 1.0) for seed in seeds] for name, plan in (("coral", coral), ("homo", homo))}
@@ -227,3 +237,38 @@ def test_at_equal_demand_coral_pricing_slack_attains_what_homo_ilp_does(core_lib
         h = np.array([r[sm.model].slo for r in got["homo"]])
         noise = 2 * np.sqrt((c.var(ddof=1) + h.var(ddof=1)) / len(seeds))
         assert c.mean() >= h.mean() - noise, (sm.model, c, h, noise)
+
+
+def test_ratings_are_cached_beside_the_library_and_recomputed_when_stale(core_lib: TemplateLibrary, tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """A library read from a file has its ratings written beside it; a fresh process (a new library object) reads
+    them without rating again; a corrupt file, other SLOs or another library are rated anew, never misread."""
+    import coral.allocation.latency as latency
+
+    sc = load_scenario("core")
+    cat = market_catalog(sc)
+    path = core_lib.subset(np.arange(len(core_lib))).save(tmp_path / "core.templates.sqlite")
+    first = scenario_latency(TemplateLibrary.load(path), sc, cat)
+    cache = path.with_suffix(".latency.npz")
+    assert cache.is_file()
+    rated = latency._model_shares
+
+    def no_rating(*args: object) -> None:
+        raise AssertionError("rated again")
+
+    monkeypatch.setattr(latency, "_model_shares", no_rating)
+    again = scenario_latency(TemplateLibrary.load(path), sc, cat)
+    for k, kl in first.items():
+        assert np.array_equal(kl.share, again[k].share) and np.array_equal(kl.candidates, again[k].candidates)
+        assert np.array_equal(kl.kept, again[k].kept) and kl.level == again[k].level
+    monkeypatch.setattr(latency, "_model_shares", rated)
+    cache.write_bytes(b"not a zip file")
+    corrupt = scenario_latency(TemplateLibrary.load(path), sc, cat)
+    assert all(np.array_equal(first[k].share, corrupt[k].share) for k in first)
+    tight = sc.model_copy(update={"models": [m.model_copy(update={"decode_slo_ms": m.decode_slo_ms / 4})
+                                             for m in sc.models]})
+    stricter = scenario_latency(TemplateLibrary.load(path), tight, cat)
+    assert any(stricter[k].share.sum() < first[k].share.sum() for k in first)
+    fewer = TemplateLibrary.load(path)
+    fewer.throughput[fewer.select("phi-4", "decode")[0]] = 0.0  # another library: one template fewer
+    assert len(scenario_latency(fewer, sc, cat)[("phi-4", Phase.DECODE)].rows) == len(first[("phi-4", Phase.DECODE)].rows) - 1

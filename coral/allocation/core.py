@@ -8,7 +8,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
@@ -23,6 +23,9 @@ from coral.catalog.suggest import did_you_mean
 from coral.perf.model import Phase
 from coral.templates.dominance import undominated
 from coral.templates.library import TemplateLibrary
+
+if TYPE_CHECKING:
+    from coral.allocation.latency import KeyLatency
 
 UNLIMITED = "unlimited"  # availability: no limit on any node config
 Availability = Mapping[str, Mapping[str, int]]
@@ -90,7 +93,8 @@ class Columns:
     """Candidate (template, region) pairs with what the MILP needs of each. For a key planned with request
     classes, `class_thr[j]` holds column j's tokens/s per class (zero-padded), `split[key]` each class's fraction
     of the key's demand, and `throughput` the rating of the key's class mix in proportion to demand,
-    1 / Σ_c split_c / T_c (0 when a class cannot run on the template)."""
+    1 / Σ_c split_c / T_c (0 when a class cannot run on the template). `shortfall[j]`: the pooled latency row's
+    coefficient per token/s (`KeyLatency.shortfall`; 0 for a key without a rating)."""
 
     template: np.ndarray
     region: np.ndarray
@@ -103,6 +107,7 @@ class Columns:
     dropped: int = 0
     class_thr: np.ndarray | None = None
     split: dict[int, np.ndarray] = field(default_factory=dict)
+    shortfall: np.ndarray = field(default_factory=lambda: np.zeros(0))
 
     def __len__(self) -> int:
         return len(self.template)
@@ -162,15 +167,16 @@ def make_columns(
     reduce: bool = True,
     homogeneous: bool = False,
     classes: Mapping[int, KeyClasses] | None = None,
-    allowed: Mapping[int, np.ndarray] | None = None,
+    latency: Mapping[int, KeyLatency] | None = None,
 ) -> Columns:
     """Columns for every key with positive demand. With `reduce`, dominated templates (see reductions) and
     columns that cannot be used once are dropped; running columns are always kept. `homogeneous` keeps only
     single-config templates (the baselines). `classes`: keys planned with request classes (by key index).
-    `allowed`: per key index, the sorted template ids it may use (`coral.allocation.latency`; others are never
-    columns, running or not)."""
+    `latency` (not with `homogeneous`): per key index, its rating (`coral.allocation.latency`): only its kept
+    templates are columns (running or not), its candidates stand for the undominated ones, and each column's
+    `shortfall` is set."""
     classes = classes or {}
-    allowed = allowed or {}
+    latency = latency or {}
     region_idx = {r: i for i, r in enumerate(market.regions)}
     run_pairs: dict[int, set[int]] = {}
     for (t, reg_name), _n in running.items():
@@ -184,8 +190,8 @@ def make_columns(
         if demand[k] <= 0:
             continue
         usable, kept = key_rows(library, model, str(phase_), homogeneous)
-        if k in allowed:
-            usable, kept = restricted_rows(library, usable, kept, allowed[k])
+        if k in latency:  # rated on the key's usable rows (`key_rows`): its kept templates are among them
+            usable, kept = latency[k].kept, latency[k].candidates
         if k in classes:
             kept = np.union1d(np.intersect1d(classes[k].kept, usable), kept)
         total += len(usable) * len(market.regions)
@@ -213,6 +219,10 @@ def make_columns(
     price = np.where(np.isfinite(market.price), market.price, 0.0)
     cost = (counts * price[region]).sum(axis=1)
     thr = library.throughput[template].astype(float)
+    shortfall = np.zeros(len(template))
+    for k, kl in latency.items():
+        on = key == k
+        shortfall[on] = kl.shortfall(template[on])
     class_thr = None
     split: dict[int, np.ndarray] = {}
     if classes:
@@ -232,9 +242,11 @@ def make_columns(
         usage = np.where(np.isfinite(market.avail[region]), counts, 0)  # scarce nodes, compared within one region
         ratings = thr[:, None] if class_thr is None else np.where(np.isin(key, list(split))[:, None], class_thr,
                                                                    thr[:, None])
-        alive = pareto_columns(key * len(market.regions) + region, cost, ratings, usage, run > 0)
-        template, region, key, thr, cost, counts, run = (
-            a[alive] for a in (template, region, key, thr, cost, counts, run))
+        if (shortfall > 0).any():  # the pooled row's room, Σ T (share − level): no more of it used is better
+            ratings = np.concatenate([ratings, -(thr * shortfall)[:, None]], axis=1)
+        alive = skyline(key * len(market.regions) + region, cost, ratings, usage, run > 0)
+        template, region, key, thr, cost, counts, run, shortfall = (
+            a[alive] for a in (template, region, key, thr, cost, counts, run, shortfall))
         class_thr = None if class_thr is None else class_thr[alive]
     counts = counts.astype(np.int64)
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -246,7 +258,40 @@ def make_columns(
             ct = class_thr[on, :len(split[k])] if class_thr is not None else np.zeros((0, 0))
             need[on] = np.ceil((demand[k] * split[k] / np.where(ct > 0, ct, np.inf)).sum(axis=1) - 1e-9)
     return Columns(template, region, key, thr, cost, counts, run, np.minimum(cap, need),
-                   dropped=total - len(template), class_thr=class_thr, split=split)
+                   dropped=total - len(template), class_thr=class_thr, split=split, shortfall=shortfall)
+
+
+def skyline(group: np.ndarray, cost: np.ndarray, ratings: np.ndarray, usage: np.ndarray, keep: np.ndarray
+            ) -> np.ndarray:
+    """`pareto_columns`, faster with several ratings (the pooled latency row's room beside throughput): every
+    column is first compared with the skyline of each rating alone (a one-rating skyline is a running maximum),
+    and only the columns none of those dominates go through the full skyline. Exact: a column that a dropped
+    one dominates is dominated by what dropped it too (dominance and the skyline's order are transitive)."""
+    if ratings.shape[1] == 1:
+        return pareto_columns(group, cost, ratings, usage, keep)
+    n = len(cost)
+    usage = usage.reshape(n, -1)
+    usage = usage[:, (usage > 0).any(axis=0)]  # the scarce configs any column uses
+    order = np.lexsort((np.arange(n), usage.sum(axis=1), -ratings.sum(axis=1), cost, group))
+    rank = np.empty(n, dtype=np.int64)
+    rank[order] = np.arange(n)
+    seeds = np.zeros(n, dtype=bool)
+    for r in range(ratings.shape[1]):
+        seeds |= pareto_columns(group, cost, ratings[:, r], np.zeros((n, 0)), keep) & ~keep
+    alive = np.ones(n, dtype=bool)
+    for g in np.unique(group[seeds]):
+        mine = np.flatnonzero((group == g) & ~keep)
+        by = np.flatnonzero(seeds & (group == g))
+        for lo in range(0, len(mine), 512):
+            j = mine[lo:lo + 512]
+            dom = ((rank[by][None, :] < rank[j][:, None]) & (cost[by][None, :] <= cost[j][:, None])
+                   & (ratings[by][None] >= ratings[j][:, None]).all(axis=2)
+                   & (usage[by][None] <= usage[j][:, None]).all(axis=2))
+            alive[j] = ~dom.any(axis=1)
+    rest = np.flatnonzero(alive & ~keep)
+    out = keep.copy()
+    out[rest] = pareto_columns(group[rest], cost[rest], ratings[rest], usage[rest], np.zeros(len(rest), dtype=bool))
+    return out
 
 
 @dataclass
@@ -267,6 +312,7 @@ class Layout:
     served_col: dict[int, int] = field(default_factory=dict)  # key -> its served fraction f_k (goodput)
     priced_col: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # priced slack (`SlackPrice`)
     priced_row: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # ... and its demand row
+    latency_rows: dict[int, int] = field(default_factory=dict)  # key -> its pooled latency row
 
 
 def assemble(
@@ -295,7 +341,10 @@ def assemble(
 
     With `slack` (cost only), every demand row asks (1 + share)·D and gets a priced slack column v ∈ [0, share·D]
     at price × the key's cheapest $/h per token/s: capacity ≥ D stays a hard requirement, and each token/s above
-    it, up to share·D, lowers the objective by that price (`SlackPrice`)."""
+    it, up to share·D, lowers the objective by that price (`SlackPrice`).
+
+    Every key with a latency rating some of whose columns fall short of its level has the pooled latency row
+    Σ_j T_j (level − share_j) x_j / D ≤ 0 (`coral.allocation.latency`; `cols.shortfall`), in every objective."""
     n = len(cols)
     maxmin = objective != "cost"  # capacity rows against a served-fraction variable, no artificial slack
     weights = weights if weights is not None else np.ones(len(demand))
@@ -392,6 +441,16 @@ def assemble(
                 ev.append(cols.counts[members, c].astype(float))
                 lower.append(-np.inf)
                 upper.append(float(market.avail[r, c]))
+    latency_rows: dict[int, int] = {}
+    for k in keys:  # the pooled latency row, scaled by the key's demand
+        members = np.flatnonzero(cols.key == k)
+        if len(cols.shortfall) and (cols.shortfall[members] > 0).any():
+            latency_rows[k] = len(lower)
+            er.append(np.full(len(members), len(lower)))
+            ec.append(members)
+            ev.append(cols.throughput[members] * cols.shortfall[members] / demand[k])
+            lower.append(-np.inf)
+            upper.append(0.0)
     if len(share_parent):  # Σ_c s_jc − x_j ≤ 0 for every column with shares
         parents, link = np.unique(share_parent, return_inverse=True)
         row0 = len(lower)
@@ -468,7 +527,8 @@ def assemble(
     pen_of[running] = n + np.arange(n_pen)
     priced = n + n_pen + n_slack + np.arange(n_priced, dtype=np.int64)
     return problem, Layout(n, pen_of, t_col, demand_rows, avail_rows, n_vars, class_rows, avail_row0, share_start,
-                           share_parent, share_class, served_col, priced, np.array(priced_row, dtype=np.int64))
+                           share_parent, share_class, served_col, priced, np.array(priced_row, dtype=np.int64),
+                           latency_rows)
 
 
 CUTS_PER_KEY = 6
@@ -529,11 +589,14 @@ def _short_list(cols: Columns, market: Market) -> np.ndarray:
 
 
 def _cheapest_fit(cols: Columns, market: Market, idx: np.ndarray, x: np.ndarray, used: np.ndarray,
-                  residual: float) -> int | None:
-    """Among columns `idx`, the instance with the least $ per useful token/s (cost / min(throughput, residual))
-    that fits the availability left; None when none fits."""
+                  residual: float, room: float) -> int | None:
+    """Among columns `idx` (of one key), the instance with the least $ per useful token/s (cost / min(throughput,
+    residual)) that fits the availability left and the `room` left in its key's pooled latency row (Σ T
+    (share − level) x); None when none fits."""
     fits = (used[cols.region[idx]] + cols.counts[idx] <= market.avail[cols.region[idx]]).all(axis=1)
     fits &= x[idx] < cols.upper[idx]
+    if len(cols.shortfall):
+        fits &= cols.throughput[idx] * cols.shortfall[idx] <= room + 1e-12 * cols.throughput[idx]
     if not fits.any():
         return None
     with np.errstate(divide="ignore"):
@@ -546,9 +609,10 @@ def _add(cols: Columns, market: Market, k: int, short: np.ndarray, x: np.ndarray
     """Add key `k`'s cheapest fitting instance (`_cheapest_fit`, short list first, then all its columns) to `x`
     and `used`; the column added, or None when none fits."""
     mine = cols.key == k
-    j = _cheapest_fit(cols, market, np.flatnonzero(mine & short), x, used, residual)
+    room = -float((cols.throughput[mine] * cols.shortfall[mine]) @ x[mine]) if len(cols.shortfall) else 0.0
+    j = _cheapest_fit(cols, market, np.flatnonzero(mine & short), x, used, residual, room)
     if j is None:
-        j = _cheapest_fit(cols, market, np.flatnonzero(mine & ~short), x, used, residual)
+        j = _cheapest_fit(cols, market, np.flatnonzero(mine & ~short), x, used, residual, room)
     if j is not None:
         x[j] += 1
         used[cols.region[j]] += cols.counts[j]

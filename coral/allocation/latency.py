@@ -14,26 +14,51 @@ its node throughput; the share is the paths' weighted mean):
 - decode: receive + (o − 1) × the pipeline's single-sequence cycle (sum of the stages' step times at batch 1, at
   the request's mean decode context) ≤ (o − 1) × the TPOT SLO (requests of one output token have no TPOT).
 
-Kept templates (`KeyLatency.kept`, the allocator's `allowed` columns). Latency misses of one phase may take at
-most a quarter of the model's allowed misses (1 − target), so both phases together take at most half and
-queueing keeps the rest: a template is kept when its share is ≥ 1 − (1 − target) / 4. A model none of whose templates reaches that is *latency-bound*:
-only templates within a quarter allowance of its best share are kept, and the ceiling is reported
-(`LatencyBound`), since no capacity can lift attainment above what its requests reach served alone.
+The pooled rule (`KeyLatency`). Latency misses of one phase may take at most a quarter (`ALLOWANCE_SHARE` = β)
+of the model's allowed misses (1 − target), so both phases together take at most half and queueing keeps the
+rest. The allocator asks it of each (model, phase)'s instances together, not of each template: requests spread
+over a key's instances in proportion to their throughput, so the share missed is the capacity-weighted mean of
+the templates' misses, and one row per key, Σ_j T_j x_j (level − share_j) ≤ 0 (`core.assemble`), keeps it at
+most β (1 − target) (level = the floor 1 − β (1 − target)). A cheap template short of the floor can so be mixed
+with ones above it; every plan the former per-template floor allowed still meets the row, so a plan is never
+dearer than under it. The ratio form (not a bound on β (1 − target) × demand) holds whatever share of demand a
+plan serves and however much spare capacity it carries. Each template must still reach the target itself
+(`kept`, a sanity floor: a template most of whose requests miss would only add misses that the queueing's
+share of the allowance cannot absorb). Candidates are the templates undominated (library reduction 2) among
+those kept, together with those undominated among the templates at or above the level (what the former floor
+kept stays a candidate; a throughput dominator short of the level no longer removes one). A model none of
+whose templates reaches the floor is *latency-bound*: its level is its best share less the quarter allowance,
+and the ceiling is reported (`LatencyBound`), since no capacity can lift attainment above what its requests
+reach served alone.
+
+Ratings are computed once per library object (memoised) and, for a library read from a file, cached beside it
+(`RatingCache`), so a re-plan in a new process reads them.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
+import os
+import tempfile
 import weakref
+import zipfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, cast
 
 import numpy as np
 
 from coral.allocation.classes import library_perf
-from coral.allocation.core import key_rows
+from coral.allocation.core import key_rows, restricted_rows
 from coral.allocation.demand import model_key, tuning_requests
 from coral.catalog.loader import Catalog, NodeConfig
 from coral.catalog.schema import Scenario, ScenarioModel
+from coral.perf import latency as latency_model
+from coral.perf import model as perf_model
+from coral.perf import roofline
 from coral.perf.latency import chunked_prefill_s, handoff_side_s, prefill_chunks_s
 from coral.perf.model import Phase, Workload
 from coral.perf.roofline import RooflineModel
@@ -41,7 +66,7 @@ from coral.templates.library import TemplateLibrary
 
 SAMPLE = 384  # requests of the tuning workload each template is rated on
 CHUNK = 8192  # templates rated at once (memory: CHUNK × slots × SAMPLE floats)
-ALLOWANCE_SHARE = 0.25  # of a model's allowed misses, what one phase's latency may take
+ALLOWANCE_SHARE = 0.25  # β: of a model's allowed misses, what one phase's latency may take
 
 
 @dataclass(frozen=True)
@@ -68,14 +93,16 @@ def request_sample(scenario: Scenario, sm: ScenarioModel) -> RequestSample:
 @dataclass(frozen=True)
 class KeyLatency:
     """One (model, phase): its usable templates, the share of sampled requests each serves within the SLO alone,
-    and the rows kept for planning."""
+    the floor and level of the pooled rule, and the templates kept and candidates for planning (module doc)."""
 
     model: str
     phase: Phase
     rows: np.ndarray
     share: np.ndarray
-    floor: float  # share a template needs to be kept
-    kept: np.ndarray  # template ids kept (sorted)
+    floor: float  # 1 − β (1 − target): the share a key's instances must reach together
+    level: float  # the floor, or for a latency-bound key its best share less β (1 − target)
+    kept: np.ndarray  # template ids whose share reaches the target (or the level, when lower), sorted
+    candidates: np.ndarray  # the undominated among `kept` (module doc), sorted
 
     @property
     def best(self) -> float:
@@ -85,6 +112,10 @@ class KeyLatency:
     def bound(self) -> bool:
         """Latency-bound: no template reaches the floor."""
         return self.best < self.floor
+
+    def shortfall(self, templates: np.ndarray) -> np.ndarray:
+        """level − share of each of `templates` (ids among `rows`): its coefficient per token/s in the pooled row."""
+        return self.level - self.share[np.searchsorted(self.rows, templates)]
 
 
 @dataclass(frozen=True)
@@ -255,9 +286,28 @@ def _prefill_shares(library: TemplateLibrary, rows: np.ndarray, sample: RequestS
 _CACHE: dict[int, dict[tuple[object, ...], dict[Phase, KeyLatency]]] = {}
 
 
+def key_latency(library: TemplateLibrary, model: str, phase: Phase, rows: np.ndarray, share: np.ndarray,
+                target: float, candidates: np.ndarray | None = None) -> KeyLatency:
+    """One key's rating from its templates' shares (`rows` ascending, as `key_rows` gives them) at the model's
+    attainment `target` (module doc): the floor, the pooled level, the templates kept and the candidates among
+    them (computed unless given, e.g. read from the cache)."""
+    allowance = (1.0 - target) * ALLOWANCE_SHARE
+    floor = 1.0 - allowance
+    best = float(share.max(initial=0.0))
+    level = floor if best >= floor - 1e-12 else best - allowance
+    kept = rows[share >= min(target, level) - 1e-12]
+    if candidates is None:
+        usable, undominated = key_rows(library, model, str(phase), False)
+        good = rows[share >= level - 1e-12]
+        candidates = np.union1d(restricted_rows(library, usable, undominated, kept)[1],
+                                restricted_rows(library, usable, undominated, good)[1])
+    return KeyLatency(model, phase, rows, share, floor, level, kept, candidates)
+
+
 def model_latency(library: TemplateLibrary, scenario: Scenario, sm: ScenarioModel, catalog: Catalog,
                   perf: RooflineModel | None = None) -> dict[Phase, KeyLatency]:
-    """Both phases of one model rated (module doc); memoised per library object, model and SLOs."""
+    """Both phases of one model rated (module doc); memoised per library object, model and SLOs, and cached on
+    disk beside a library loaded from a file (`RatingCache`)."""
     cache = _CACHE.get(id(library))
     if cache is None:
         cache = _CACHE[id(library)] = {}
@@ -266,15 +316,32 @@ def model_latency(library: TemplateLibrary, scenario: Scenario, sm: ScenarioMode
     if key in cache:
         return cache[key]
     perf = perf or library_perf(library)
-    arch = catalog.model(sm.model)
-    shape = perf.shape(arch)
     sample = request_sample(scenario, sm)
+    rows = {phase: key_rows(library, sm.model, str(phase), False)[0] for phase in Phase}
+    disk = RatingCache.of(library)
+    digest = disk.digest(scenario, sm, catalog, perf, sample) if disk is not None else ""
+    stored = disk.read(digest, rows) if disk is not None else None
+    if stored is not None:
+        out = {phase: key_latency(library, sm.model, phase, rows[phase], share, sm.slo_attainment, cand)
+               for phase, (share, cand) in stored.items()}
+    else:
+        shares = _model_shares(library, sm, catalog, perf, sample, rows[Phase.PREFILL], rows[Phase.DECODE])
+        out = {phase: key_latency(library, sm.model, phase, rows[phase], shares[phase], sm.slo_attainment)
+               for phase in Phase}
+        if disk is not None:
+            disk.write(digest, out)
+    cache[key] = out
+    return out
+
+
+def _model_shares(library: TemplateLibrary, sm: ScenarioModel, catalog: Catalog, perf: RooflineModel,
+                  sample: RequestSample, p_rows: np.ndarray, d_rows: np.ndarray) -> dict[Phase, np.ndarray]:
+    """Each phase's share of the sampled requests within the SLO on templates `p_rows` and `d_rows`."""
+    shape = perf.shape(catalog.model(sm.model))
     kv = np.asarray(shape.attended_tokens(sample.input_tokens.astype(float)), dtype=float) * shape.kv_bytes_per_token
     att = np.asarray(shape.attended_tokens(sample.input_tokens + sample.output_tokens / 2.0), dtype=float)
     nic = _nic_bytes_s(library, catalog)
     ttft_s, tpot_s = sm.prefill_slo_ms / 1e3, sm.decode_slo_ms / 1e3
-    d_rows = key_rows(library, sm.model, "decode", False)[0]
-    p_rows = key_rows(library, sm.model, "prefill", False)[0]
     d_share, fastest = _decode_shares(library, d_rows, sample, kv, att, _decode_cycle_terms(
         library, catalog, perf, sm), nic, tpot_s)
     if not len(d_rows):
@@ -282,15 +349,86 @@ def model_latency(library: TemplateLibrary, scenario: Scenario, sm: ScenarioMode
     prompts = np.unique(sample.input_tokens)
     p_share = _prefill_shares(library, p_rows, sample, kv, _prefill_chunk_times(library, catalog, perf, sm, prompts),
                               prompts, nic, ttft_s, tpot_s, fastest)
-    allowance = (1.0 - sm.slo_attainment) * ALLOWANCE_SHARE
-    out = {}
-    for phase, rows, share in ((Phase.PREFILL, p_rows, p_share), (Phase.DECODE, d_rows, d_share)):
-        floor = 1.0 - allowance
-        best = float(share.max(initial=0.0))
-        keep = share >= (floor if best >= floor else best - allowance) - 1e-12
-        out[phase] = KeyLatency(sm.model, phase, rows, share, floor, np.sort(rows[keep]))
-    cache[key] = out
-    return out
+    return {Phase.PREFILL: p_share, Phase.DECODE: d_share}
+
+
+#: the code a rating depends on beyond its inputs: its source is part of the cache's digest (an edit recomputes)
+_RATING_CODE = (latency_model, roofline, perf_model)
+
+
+@dataclass(frozen=True)
+class RatingCache:
+    """Ratings of one library file, beside it (`<library>.latency.npz`): per model, each phase's shares and
+    candidates under a digest of everything they depend on (the library's content, the model's scenario entry
+    with its SLOs and target, its request sample, its architecture, the node configs, the perf model's
+    parameters, `SAMPLE`, `ALLOWANCE_SHARE` and the rating code's source). A digest not in the file, a file
+    that cannot be read, or entries that do not match the library's rows are recomputed (and the file
+    rewritten, keeping only this library's entries); a folder that cannot be written is left as it is."""
+
+    path: Path
+    library: TemplateLibrary
+
+    @classmethod
+    def of(cls, library: TemplateLibrary) -> RatingCache | None:
+        """The cache of a library loaded from (or saved to) a file; None for one made in memory."""
+        return None if library.path is None else cls(library.path.with_suffix(".latency.npz"), library)
+
+    def digest(self, scenario: Scenario, sm: ScenarioModel, catalog: Catalog, perf: RooflineModel,
+               sample: RequestSample) -> str:
+        parts = {
+            "library": self.library.content_digest(),
+            "model": model_key(scenario, sm),
+            "sample": hashlib.blake2b(sample.input_tokens.tobytes() + sample.output_tokens.tobytes()).hexdigest(),
+            "architecture": catalog.model(sm.model).model_dump(mode="json"),
+            "nodes": [dataclasses.asdict(catalog.node_config(c)) for c in self.library.configs],
+            "perf": perf.params.model_dump(mode="json"),
+            "constants": [SAMPLE, ALLOWANCE_SHARE],
+            "code": [hashlib.blake2b(Path(m.__file__ or "").read_bytes()).hexdigest() for m in _RATING_CODE],
+        }
+        return hashlib.blake2b(json.dumps(parts, sort_keys=True, default=str).encode(), digest_size=16).hexdigest()
+
+    def _entries(self) -> dict[str, np.ndarray]:
+        try:
+            with np.load(self.path, allow_pickle=False) as data:
+                return {k: data[k] for k in data.files}
+        except (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile):
+            return {}
+
+    def read(self, digest: str, rows: dict[Phase, np.ndarray]) -> dict[Phase, tuple[np.ndarray, np.ndarray]] | None:
+        """{phase: (shares, candidates)} stored under `digest` when they fit the library's `rows`, else None."""
+        out = {}
+        try:
+            with np.load(self.path, allow_pickle=False) as data:
+                for phase, r in rows.items():
+                    share, cand = data[f"{digest}.{phase}.share"], data[f"{digest}.{phase}.candidates"]
+                    if share.shape != r.shape or not np.isfinite(share).all() or not np.isin(cand, r).all():
+                        return None
+                    out[phase] = (share.astype(float), cand.astype(np.int64))
+        except (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile):
+            return None
+        return out
+
+    def write(self, digest: str, ratings: dict[Phase, KeyLatency]) -> None:
+        """Add one model's ratings, dropping entries of another library (atomically: a temporary file renamed
+        over the cache)."""
+        lib = np.array(self.library.content_digest())
+        entries = self._entries()
+        if entries.get("library") != lib:
+            entries = {"library": lib}
+        for phase, kl in ratings.items():
+            entries[f"{digest}.{phase}.share"] = kl.share
+            entries[f"{digest}.{phase}.candidates"] = kl.candidates
+        tmp = None
+        try:
+            fd, tmp = tempfile.mkstemp(prefix=".coral-latency-", suffix=".npz", dir=self.path.parent)
+            with os.fdopen(fd, "wb") as f:
+                np.savez(f, **cast(dict[str, Any], entries))
+            os.replace(tmp, self.path)
+        except OSError:
+            pass
+        finally:
+            if tmp is not None and os.path.exists(tmp):
+                os.unlink(tmp)
 
 
 @dataclass(frozen=True)
@@ -304,8 +442,8 @@ class LatencyBound:
 
     def words(self) -> str:
         return (f"{self.model}/{self.phase.value} is latency-bound: on its best template only {self.best_share:.1%} "
-                f"of its requests meet the SLO served alone (a template needs {self.floor:.1%}); added capacity "
-                "cannot help: relax its SLO, lower its target, or add faster GPU configs")
+                f"of its requests meet the SLO served alone (its instances need {self.floor:.1%} together); added "
+                "capacity cannot help: relax its SLO, lower its target, or add faster GPU configs")
 
 
 def scenario_latency(library: TemplateLibrary, scenario: Scenario, catalog: Catalog,

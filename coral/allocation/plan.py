@@ -5,32 +5,37 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from coral.catalog.loader import load_file
-from coral.catalog.schema import SafeName
+from coral.catalog.schema import MAX_COST_PER_HOUR, MAX_TOKENS_S, Label, SafeName
 
 PLAN_SCHEMA_VERSION = 1
 
 
+TokensS = Annotated[float, Field(ge=0, le=MAX_TOKENS_S)]
+"""A tokens/s figure: finite (every plan model refuses infinities and NaN), non-negative, within MAX_TOKENS_S."""
+DollarsH = Annotated[float, Field(ge=0, le=MAX_COST_PER_HOUR)]
+
+
 class _PlanModel(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class PlanStage(_PlanModel):
     first_layer: int = Field(ge=0)
     layers: int = Field(gt=0)
     nodes: list[SafeName] = Field(min_length=1, description="node config per data-parallel node of the stage")
-    node_throughput: list[float] = Field(description="tokens/s each node sustains under the SLO (router weights)")
+    node_throughput: list[TokensS] = Field(description="tokens/s each node sustains under the SLO (router weights)")
 
 
 class PlanClass(_PlanModel):
     """A request-length class a model was planned with (see coral.allocation.classes)."""
 
-    name: str
+    name: Label
     share: float = Field(gt=0, le=1, description="fraction of the model's requests")
     mean_input_tokens: float = Field(gt=0)
     mean_output_tokens: float = Field(gt=0)
@@ -43,13 +48,13 @@ class PlanInstance(_PlanModel):
     id: SafeName = Field(description="stable id, e.g. 'qwen3-32b.prefill.t412.aws-us-east-2.0'")
     model: SafeName
     phase: Literal["prefill", "decode"]
-    template_id: int
+    template_id: int = Field(ge=0)
     region: SafeName
     counts: dict[SafeName, int] = Field(description="nodes per config")
     stages: list[PlanStage]
-    throughput: float = Field(gt=0, description="tokens/s under the SLO")
-    cost_per_hour: float = Field(ge=0)
-    class_throughput: dict[str, float] | None = Field(
+    throughput: float = Field(gt=0, le=MAX_TOKENS_S, description="tokens/s under the SLO")
+    cost_per_hour: DollarsH
+    class_throughput: dict[Label, TokensS] | None = Field(
         default=None, description="tokens/s of each request class this instance is planned to serve (router weights "
         "per class); None: every class, in proportion to the throughput")
 
@@ -100,18 +105,32 @@ class ModelServing(_PlanModel):
 
     model: str
     phase: Literal["prefill", "decode"]
-    demand: float = Field(ge=0, description="tokens/s asked for")
-    capacity: float = Field(ge=0, description="tokens/s planned")
+    demand: TokensS = Field(description="tokens/s asked for")
+    capacity: TokensS = Field(description="tokens/s planned")
     served_fraction: float = Field(ge=0, le=1, description="min(1, capacity/demand)")
-    cost_per_hour: float = Field(ge=0)
-    traffic_tokens_s: float | None = Field(
-        default=None, ge=0, description="mean tokens/s of the traffic the demand was sized from (demand / this = "
+    cost_per_hour: DollarsH
+    traffic_tokens_s: TokensS | None = Field(
+        default=None, description="mean tokens/s of the traffic the demand was sized from (demand / this = "
         "the headroom planned for bursts); None when not recorded")
 
     @property
     def headroom(self) -> float | None:
         """Planned capacity asked for ÷ mean traffic (None when the traffic was not recorded)."""
         return self.demand / self.traffic_tokens_s if self.traffic_tokens_s else None
+
+
+class WindowStats(_PlanModel):
+    """One model's SLO attainment over independent windows of traffic (request sets), the unit of its spread."""
+
+    windows: int = Field(ge=0, description="request sets (windows) simulated")
+    seeds: list[int] = Field(default_factory=list, description="workload seeds of the windows")
+    pooled: float = Field(ge=0, le=1, description="requests meeting both SLOs over all windows' requests")
+    lower_bound: float = Field(ge=0, le=1, description="one-sided lower confidence bound of the pooled attainment "
+                               "(Student t over the windows' values, request-weighted)")
+    confidence: float = Field(gt=0, lt=1, description="confidence of `lower_bound`")
+    p5: float = Field(ge=0, le=1, description="5th percentile of the windows' attainment")
+    p50: float = Field(ge=0, le=1, description="median window")
+    worst: float = Field(ge=0, le=1, description="worst window")
 
 
 class SloCheck(_PlanModel):
@@ -122,12 +141,20 @@ class SloCheck(_PlanModel):
     target: dict[str, float] = Field(description="per model: the fraction of requests that must meet both SLOs")
     tuned: dict[str, float] = Field(description="per model: attainment on the tuning requests")
     held_out: dict[str, float] = Field(default_factory=dict,
-                                       description="per model: attainment over all held-out requests (the mean over "
-                                       "the held-out sets, which are of equal length); the verdict is on this")
+                                       description="per model: attainment over all the held-out requests it was "
+                                       "certified on (`certified`'s pooled)")
     held_out_worst: dict[str, float] = Field(default_factory=dict,
                                              description="per model: attainment on its worst held-out set alone")
     held_out_seeds: list[int] = Field(default_factory=list, description="workload seeds of the held-out sets")
     duration_s: float = Field(gt=0, description="simulated seconds per request set")
+    certified: dict[str, WindowStats] = Field(
+        default_factory=dict, description="per model: its attainment over the held-out windows it was certified on "
+        "(`coral.planning.certify`); the verdict is on this")
+    tail: float = Field(default=0.03, ge=0, le=1, description="how far under the target the 5th-percentile window "
+                        "may fall in a passing verdict")
+    certification_s: float = Field(default=0.0, ge=0, description="seconds the confirmation and certification took")
+    certification_windows: int = Field(default=0, ge=0, description="request sets they simulated (a model's part "
+                                       "alone counts as one)")
     verdict: dict[str, str] = Field(default_factory=dict,
                                     description="per model: 'pass', or 'fail: ' and why, with what would meet it")
     safety_net: str | None = Field(
@@ -196,8 +223,8 @@ class Plan(_PlanModel):
     request_classes: dict[str, list[PlanClass]] = Field(
         default_factory=dict, description="per model planned with request-length classes, its classes, shortest first")
     serving: list[ModelServing]
-    cost_per_hour: float = Field(ge=0, description="provisioning $/h")
-    penalty_per_hour: float = Field(default=0.0, ge=0, description="amortised scale-up penalty $/h")
+    cost_per_hour: DollarsH = Field(description="provisioning $/h")
+    penalty_per_hour: DollarsH = Field(default=0.0, description="amortised scale-up penalty $/h")
     solve: SolveReport
     slo: SloCheck | None = Field(default=None, description="simulated SLO attainment against each model's target "
                                  "(None: not checked)")

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
+import stat
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -25,6 +27,7 @@ from coral.catalog.schema import (
     OfferingCatalog,
     Scenario,
     parse_config_name,
+    shown,
 )
 from coral.catalog.suggest import did_you_mean
 
@@ -35,24 +38,144 @@ class CoralInputError(ValueError):
     """Bad user input: the message names the file, the field and the reason."""
 
 
-def _read_structured(path: Path) -> Any:
-    if path.is_dir():
-        raise CoralInputError(f"{path}: is a folder, not a file")
+MAX_INPUT_BYTES_ENV = "CORAL_MAX_INPUT_BYTES"
+DEFAULT_MAX_INPUT_BYTES = 64 << 20
+"""Bytes an input file (plan, scenario, offerings, catalogue, market, key file) may hold unless
+$CORAL_MAX_INPUT_BYTES says otherwise: far above any plan Coral writes (a plan at the controller's caps is a few
+MB), far below what would fill memory."""
+
+_FILE_KINDS = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character "
+               "device"), (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+
+
+def max_input_bytes() -> int:
+    """The cap on an input file's size: $CORAL_MAX_INPUT_BYTES (bytes, > 0), else DEFAULT_MAX_INPUT_BYTES."""
+    raw = os.environ.get(MAX_INPUT_BYTES_ENV, "").strip()
+    if not raw:
+        return DEFAULT_MAX_INPUT_BYTES
     try:
-        text = path.read_text()
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise CoralInputError(f"${MAX_INPUT_BYTES_ENV}: must be a whole number of bytes above 0, not {raw!r}")
+    return value
+
+
+def _not_regular(path: Path, mode: int) -> str | None:
+    """Why a file of `mode` is no input file (a folder, a FIFO, a device, a socket), else None."""
+    for test, kind in _FILE_KINDS:
+        if test(mode):
+            return f"{path}: is {kind}, not a {'file' if kind == 'a folder' else 'regular file'}"
+    return None if stat.S_ISREG(mode) else f"{path}: not a regular file"
+
+
+def read_input_bytes(path: str | Path) -> bytes:
+    """The bytes of the input file at `path`: a regular file (a folder, FIFO, device or socket is refused, and is
+    never opened for reading but without blocking) of at most `max_input_bytes()`; CoralInputError naming it
+    otherwise, and how to raise the cap."""
+    path = Path(path)
+    cap = max_input_bytes()
+    try:
+        if (why := _not_regular(path, os.stat(path).st_mode)) is not None:
+            raise CoralInputError(why)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO swapped in cannot block the open
     except OSError as exc:
         raise CoralInputError(f"{path}: cannot read: {exc.strerror}") from exc
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(fd)
+        if (why := _not_regular(path, st.st_mode)) is not None:  # what was opened, not only what was looked at
+            raise CoralInputError(why)
+        too_big = (f"{path}: over the {cap:,}-byte limit on input files (set ${MAX_INPUT_BYTES_ENV} to a larger "
+                   "number of bytes to read it)")
+        if st.st_size > cap:
+            raise CoralInputError(too_big.replace(": over", f": {st.st_size:,} bytes, over"))
+        os.set_blocking(fd, True)
+        data = f.read(cap + 1)  # a file still growing stops at the cap too
+    if len(data) > cap:
+        raise CoralInputError(too_big)
+    return data
+
+
+def read_input_text(path: str | Path) -> str:
+    """The UTF-8 text of the input file at `path` (`read_input_bytes`)."""
+    data = read_input_bytes(path)
+    try:
+        return data.decode()
     except UnicodeDecodeError as exc:
         raise CoralInputError(f"{path}: not UTF-8 text (byte {exc.start})") from exc
-    return parse_structured(text, str(path), "json" if path.suffix == ".json" else "yaml")
+
+
+def _read_structured(path: Path) -> Any:
+    return parse_structured(read_input_text(path), str(path), "json" if path.suffix == ".json" else "yaml")
+
+
+class NotStrictJson(ValueError):
+    """A JSON document with a number that is not finite (NaN, Infinity, or one that overflows to infinity) or a
+    string that is not Unicode text (a lone surrogate escape): the message names where."""
+
+
+@dataclass(frozen=True)
+class _Unfinite:
+    """What the strict JSON parser makes of a number that is not finite, until `_check_strict` names its place."""
+
+    text: str
+
+
+def _float_or_unfinite(text: str) -> float | _Unfinite:
+    value = float(text)
+    return value if math.isfinite(value) else _Unfinite(text)
+
+
+def _strict_problem(value: Any, where: str) -> str | None:
+    """Where in a parsed document the first non-finite number or non-Unicode string is, and what it is."""
+    if isinstance(value, _Unfinite):
+        return f"{where or '(top level)'}: {value.text[:40]} is not a finite number"
+    if isinstance(value, str):
+        return None if _unicode(value) else f"{where or '(top level)'}: a string with a lone surrogate (not Unicode text)"
+    items: list[tuple[Any, Any]] = []
+    if isinstance(value, dict):
+        for key in value:
+            if not _unicode(key):
+                return f"{where or '(top level)'}: a key with a lone surrogate (not Unicode text)"
+        items = list(value.items())
+    elif isinstance(value, list):
+        items = list(enumerate(value))
+    for key, item in items:
+        if (found := _strict_problem(item, f"{where}.{key}" if where else str(key))) is not None:
+            return found
+    return None
+
+
+def _unicode(text: str) -> bool:
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def strict_json_loads(text: str | bytes) -> Any:
+    """`text` parsed as strict JSON: ValueError (json.JSONDecodeError) when it is not JSON, NotStrictJson naming
+    the field of a number that is not finite (`NaN`, `Infinity`, `1e400`) or of a string that is not Unicode text,
+    which Python's json module lets through and no later writer can write back."""
+    doc = json.loads(text, parse_constant=_Unfinite, parse_float=_float_or_unfinite)
+    if (problem := _strict_problem(doc, "")) is not None:
+        raise NotStrictJson(problem + " (JSON numbers must be finite, strings Unicode text)")
+    return doc
 
 
 def parse_structured(text: str, source: str, syntax: Literal["yaml", "json"] = "yaml") -> Any:
-    """`text` parsed as YAML or JSON; a syntax error is a CoralInputError naming `source`, the line and the column."""
+    """`text` parsed as YAML or JSON (strict: `strict_json_loads`); a syntax error is a CoralInputError naming
+    `source`, the line and the column."""
     try:
-        return json.loads(text) if syntax == "json" else yaml.safe_load(text)
+        return strict_json_loads(text) if syntax == "json" else yaml.safe_load(text)
     except json.JSONDecodeError as exc:
         raise CoralInputError(f"{source}: malformed JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}") from None
+    except NotStrictJson as exc:
+        raise CoralInputError(f"{source}: {exc}") from None
+    except ValueError as exc:  # e.g. an integer past Python's digit limit
+        raise CoralInputError(f"{source}: malformed JSON: {exc}") from None
     except yaml.MarkedYAMLError as exc:
         raise CoralInputError(f"{source}: malformed YAML{_yaml_where(exc)}") from None
     except yaml.YAMLError as exc:
@@ -128,10 +251,10 @@ def format_validation_error(source: str, exc: ValidationError) -> str:
     """'source: invalid input' and a 'field: reason (got value)' line per error of `exc`."""
     lines = [f"{source}: invalid input"]
     for err in exc.errors():
-        where = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        where = ".".join(shown(str(p)) for p in err["loc"]) or "(top level)"
         got = err.get("input")
-        shown = f" (got {got!r:.80})" if isinstance(got, int | float | str) else ""
-        lines.append(f"  {where}: {err['msg']}{shown}")
+        got_text = f" (got {got!r:.80})" if isinstance(got, int | float | str) else ""
+        lines.append(f"  {where}: {err['msg']}{got_text}")
     return "\n".join(lines)
 
 

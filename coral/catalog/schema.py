@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from coral.catalog.suggest import did_you_mean
 
@@ -15,6 +15,30 @@ SAFE_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:+-]{0,127}$"
 SafeName = Annotated[str, Field(pattern=SAFE_NAME_PATTERN)]
 """Ids and names rendered into scripts, manifests and metric labels: 1-128 characters, a letter or digit first,
 then letters, digits and `. _ : + -` (no whitespace, quotes or shell metacharacters)."""
+
+
+def printable(value: str) -> str:
+    """`value` when it is printable text (no control characters, line breaks or lone surrogates), else ValueError."""
+    if not value.isprintable():
+        raise ValueError("must be printable text: no control characters, line breaks or lone surrogates")
+    return value
+
+
+def shown(text: str, keep: str = "") -> str:
+    """`text` safe to print: every non-printable character (control characters, terminal escapes, line breaks, lone
+    surrogates) but those in `keep` written as its Python escape (`\\n`, `\\x1b`, `\\ud800`), the rest as it is."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() or c in keep else c.encode("unicode_escape").decode("ascii") for c in text)
+
+
+Label = Annotated[str, Field(min_length=1, max_length=128), AfterValidator(printable)]
+"""A name shown in tables and logs and used as a key (a request class's): 1-128 printable characters."""
+
+MAX_TOKENS_S = 1e12
+"""Tokens/s any one figure of a plan or endpoints file may state (far above any fleet): sums of them stay finite."""
+MAX_COST_PER_HOUR = 1e9
+"""$/h any one figure of a plan may state."""
 
 # Bounds on what a scenario may ask for, far above the built-in scenarios and the paper's settings (extended: 6
 # models, 20 configs, 3 regions, 5 epochs of 6 minutes, 150 requests/s in all), so that a scenario file cannot make
@@ -177,7 +201,7 @@ class RequestClass(_Strict):
     share: float = Field(gt=0, le=1, description="fraction of the model's requests")
     mean_input_tokens: float = Field(gt=0)
     mean_output_tokens: float = Field(gt=0)
-    name: str = Field(default="", max_length=128)
+    name: Annotated[str, AfterValidator(printable)] = Field(default="", max_length=128)
     max_input_tokens: float | None = Field(
         default=None, gt=0, description="longest prompt routed to this class (default: halfway to the next class's "
         "mean; the longest class takes the rest)")

@@ -19,6 +19,7 @@ from coral.cli.common import (
     console,
     friendly_errors,
     out_console,
+    plain,
     print_json,
 )
 from coral.cli.deploy import TARGET_HELP, plan_file_name
@@ -53,7 +54,8 @@ def plan_table(plan: Plan) -> FoldingTable:
 
     from coral.report.terminal import FoldingTable
 
-    table = FoldingTable(title=f"{plan.method} plan for {plan.scenario} ({plan.mode}), ${plan.cost_per_hour:,.2f}/h")
+    table = FoldingTable(title=plain(f"{plan.method} plan for {plan.scenario} ({plan.mode}), "
+                                     f"${plan.cost_per_hour:,.2f}/h"))
     table.add_column("model", no_wrap=True)
     table.add_column("phase")
     table.add_column(escape("instances (template[nodes]@region ×count)"), optional=True)
@@ -62,7 +64,7 @@ def plan_table(plan: Plan) -> FoldingTable:
     for s in plan.serving:
         text = "\n".join(escape(f"{k} ×{n}") for k, n in instance_groups(plan, s.model, s.phase).items()) or "-"
         spare = (s.capacity - s.demand) / s.demand if s.demand else 0.0
-        table.add_row(s.model, s.phase, text, f"{s.cost_per_hour:,.2f}", f"{s.served_fraction:.1%}",
+        table.add_row(plain(s.model), s.phase, text, f"{s.cost_per_hour:,.2f}", f"{s.served_fraction:.1%}",
                       f"{s.demand:,.0f}", f"{s.capacity:,.0f}", f"{spare:+.1%}")
     return table
 
@@ -146,7 +148,7 @@ def allocate_cmd(
     say.print(f"time: {total:.2f} s end to end (scenario and library load {t_lib - t0:.2f} s, availability "
               f"{t_avail - t_lib:.2f} s, planning {times['planning']:.2f} s of which solver {s.time_s:.2f} s)")
     for note in s.notes:
-        say.print(f"  [dim]{note}[/]")
+        say.print(f"  [dim]{plain(note)}[/]")
     say.print(f"-> [bold]{path}[/]")
     if as_json:
         print_json(plan_summary(plan, path, times))
@@ -215,7 +217,7 @@ def experiment_cmd(
         return
     console.print(experiment_table(result))
     for note in result.notes:
-        console.print(f"[dim]{note}[/]")
+        console.print(f"[dim]{plain(note)}[/]")
     console.print(f"time: {time.perf_counter() - t0:.1f} s end to end (libraries, every solve, JSON and plot)")
     console.print("-> " + ", ".join(f"[bold]{p}[/]" for p in result.files))
 

@@ -17,10 +17,12 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import typer
+from pydantic import BaseModel
 from rich.console import Console
 from rich.markup import escape
 
 from coral.catalog.loader import CoralInputError
+from coral.catalog.schema import shown
 
 #: columns of output that goes to no terminal (a pipe, a file, a test) when COLUMNS is unset: wide enough that
 #: tables keep model and instance names on one line
@@ -44,8 +46,30 @@ console = Console(width=console_width())
 err_console = Console(stderr=True, width=console_width())
 
 F = TypeVar("F", bound=Callable[..., Any])
+M = TypeVar("M", bound=BaseModel)
 
 DEFAULT_OUT = Path("out")
+
+
+def plain(value: object, keep: str = "") -> str:
+    """`value` as text to print through rich: its control characters (terminal escapes among them) but those in
+    `keep` escaped (`shown`), and its markup escaped, so a plan's or an input's text reaches the terminal as text."""
+    return escape(shown(str(value), keep))
+
+
+def for_terminal(document: M) -> M:
+    """A copy of `document` (a plan) for printing only, each of its strings and keys as `plain` makes it."""
+    return type(document).model_validate(_plain_strings(document.model_dump()))
+
+
+def _plain_strings(value: Any) -> Any:
+    if isinstance(value, str):
+        return plain(value)
+    if isinstance(value, dict):
+        return {_plain_strings(k): _plain_strings(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain_strings(v) for v in value]
+    return value
 
 
 def friendly_errors(fn: F) -> F:
@@ -56,7 +80,7 @@ def friendly_errors(fn: F) -> F:
         try:
             return fn(*args, **kwargs)
         except CoralInputError as exc:
-            err_console.print(f"[bold red]error:[/] {escape(str(exc))}")
+            err_console.print(f"[bold red]error:[/] {plain(exc, keep=chr(10))}")
             raise typer.Exit(code=2) from None
 
     return wrapper  # type: ignore[return-value]

@@ -39,10 +39,35 @@ class CoralGroup(TyperGroup):
         return super().parse_args(ctx, args)
 
 
+#: the documentation page each command's help ends with (paths inside the repository: there is no hosted site)
+DOCS_PAGES = {
+    "": "docs/index.md",
+    "run": "docs/guides/reading-a-plan.md",
+    "allocate": "docs/guides/market.md",
+    "experiment": "docs/results/index.md",
+    "simulate": "docs/guides/replan.md",
+    "serve": "docs/guides/serve.md",
+    "gateway": "docs/guides/deploy.md",
+    "status": "docs/guides/serve.md",
+    "deploy": "docs/guides/deploy.md",
+    "report": "docs/guides/reading-a-plan.md",
+    "models": "docs/guides/scenario.md",
+    "perf": "docs/architecture.md",
+    "templates": "docs/concepts.md",
+    "plan": "docs/guides/reading-a-plan.md",
+}
+
+
+def docs_epilog(page: str) -> str:
+    """The last line of a command's help: the page to read, and the generated reference of every option."""
+    return f"Docs: {page} (every command and option: docs/reference/cli.md)"
+
+
 app = typer.Typer(
     name="coral",
     cls=CoralGroup,
     help="Cost-efficient multi-LLM serving over heterogeneous cloud GPUs.",
+    epilog=docs_epilog(DOCS_PAGES[""]),
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
@@ -59,6 +84,23 @@ def _root(
 
 for module in (run, models, perf, templates, allocate, simulate, runtime, deploy, report, plan):
     module.register(app)
+
+
+def _add_docs_epilogs(root: typer.Typer) -> None:
+    """End every command's and command group's help with the docs page to read (`DOCS_PAGES`; a group's
+    subcommands take the group's page)."""
+    for command in root.registered_commands:
+        name = command.name or (command.callback.__name__ if command.callback else "")
+        command.epilog = docs_epilog(DOCS_PAGES.get(name, DOCS_PAGES[""]))
+    for group in root.registered_groups:
+        page = DOCS_PAGES.get(group.name or "", DOCS_PAGES[""])
+        group.epilog = docs_epilog(page)
+        if group.typer_instance is not None:
+            for command in group.typer_instance.registered_commands:
+                command.epilog = docs_epilog(page)
+
+
+_add_docs_epilogs(app)
 
 
 if __name__ == "__main__":

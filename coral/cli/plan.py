@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import typer
 
-from coral.cli.common import check_out_file, console, err_console, friendly_errors, plan_or_current
+from coral.cli.common import check_out_file, console, err_console, friendly_errors, plain, plan_or_current
 
 if TYPE_CHECKING:
     from coral.deploy.bom import BillOfMaterials
@@ -29,14 +29,12 @@ def register(app: typer.Typer) -> None:
 
 
 def bom_table(bom: BillOfMaterials) -> FoldingTable:
-    """The bill as a rich table with the total in its footer (the plan's names shown as text, never as markup);
-    prices to the cent. A narrow terminal leaves out the plan instances each row serves, then the cloud (regions
-    name it)."""
-    from rich.markup import escape
-
+    """The bill as a rich table with the total in its footer (the plan's names shown as text, never as markup or
+    terminal control codes: `plain`); prices to the cent. A narrow terminal leaves out the plan instances each row
+    serves, then the cloud (regions name it)."""
     from coral.report.terminal import FoldingTable, money
 
-    table = FoldingTable(title=escape(f"What to rent: {bom.scenario} · {bom.method} (prices: {bom.offerings})"),
+    table = FoldingTable(title=plain(f"What to rent: {bom.scenario} · {bom.method} (prices: {bom.offerings})"),
                          show_footer=True)
     for col, footer in (("cloud", ""), ("region", "total"), ("instance type", ""), ("GPU × per node", "")):
         table.add_column(col, footer=footer, no_wrap=col != "GPU × per node", optional=col == "cloud")
@@ -47,9 +45,9 @@ def bom_table(bom: BillOfMaterials) -> FoldingTable:
     verdict = "equals" if bom.matches_plan else "differs from"
     table.caption = f"the total {verdict} the plan's {money(bom.plan_cost_per_hour)}/h"
     for r in bom.rows:
-        table.add_row(*(escape(v) for v in (r.cloud, r.region, r.instance_type)),
-                      f"{escape(r.gpu)} × {r.gpus_per_node}", str(r.count), money(r.price_per_hour),
-                      money(r.total_per_hour), escape(", ".join(r.instances)))
+        table.add_row(*(plain(v) for v in (r.cloud, r.region, r.instance_type)),
+                      f"{plain(r.gpu)} × {r.gpus_per_node}", str(r.count), money(r.price_per_hour),
+                      money(r.total_per_hour), plain(", ".join(r.instances)))
     return table
 
 
@@ -97,7 +95,7 @@ def bom_cmd(
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text(text)
     if out is not None:
-        console.print(f"[green]wrote[/] {out}: {sum(r.count for r in bom.rows)} instance(s), "
+        console.print(f"[green]wrote[/] {plain(out)}: {sum(r.count for r in bom.rows)} instance(s), "
                       f"{money(bom.total_per_hour)}/h")
     for note in bom.notes:
-        err_console.print(f"[yellow]warning:[/] {note}")
+        err_console.print(f"[yellow]warning:[/] {plain(note)}")

@@ -5,10 +5,17 @@ from __future__ import annotations
 from pathlib import Path
 
 import typer
-from rich.markup import escape
 
 from coral.catalog.loader import scenario_and_market
-from coral.cli.common import DEFAULT_OUT, check_out_file, console, friendly_errors, plan_or_current
+from coral.cli.common import (
+    DEFAULT_OUT,
+    check_out_file,
+    console,
+    for_terminal,
+    friendly_errors,
+    plain,
+    plan_or_current,
+)
 
 
 @friendly_errors
@@ -38,6 +45,7 @@ def report(
 ) -> None:
     """Write a self-contained HTML report (open it in any browser, no network needed) and print the plan."""
     from coral.allocation.plan import Plan
+    from coral.http_serving import with_policy_meta
     from coral.report.adapters import load_inputs
     from coral.report.browser import run_chromium
     from coral.report.html import build_report
@@ -57,18 +65,19 @@ def report(
         for path in experiment:
             inputs = inputs.merged(load_inputs(path))
     for note in mismatch_notes(the_plan, inputs):
-        console.print(f"[yellow]warning:[/] {note}")
+        console.print(f"[yellow]warning:[/] {plain(note)}")
     if not quiet:
-        print_plan(the_plan, console)
+        shown_plan = for_terminal(the_plan)  # the plan's text as text, never markup or terminal control codes
+        print_plan(shown_plan, console)
         if baselines:
-            print_comparison(the_plan, baselines, console)
-        print_inputs(inputs, the_plan.method, console)
+            print_comparison(shown_plan, [for_terminal(b) for b in baselines], console)
+        print_inputs(inputs, shown_plan.method, console)
     sc, cat = (None, None) if example or scenario is None else scenario_and_market(scenario, None)
     if sc is not None and the_plan.scenario != sc.name:
-        console.print(f"[yellow]warning:[/] the plan was made for {escape(the_plan.scenario)}, shown in "
-                      f"{escape(sc.name)}'s market and demand (--scenario)")
+        console.print(f"[yellow]warning:[/] the plan was made for {plain(the_plan.scenario)}, shown in "
+                      f"{plain(sc.name)}'s market and demand (--scenario)")
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(build_report(the_plan, baselines=baselines, sim=inputs, catalog=cat, scenario=sc))
+    out.write_text(with_policy_meta(build_report(the_plan, baselines=baselines, sim=inputs, catalog=cat, scenario=sc)))
     console.print(f"[green]wrote[/] {out}")
     if screenshot is not None:
         run_chromium(out.resolve().as_uri(), screenshot=screenshot)

@@ -223,7 +223,7 @@ def build_runtime(
     from coral.runtime.gateway import GatewayConfig, create_gateway_app
     from coral.runtime.registry import Registry
 
-    registry = Registry()
+    registry = Registry(expected=frozenset(m.model for m in scenario.models) if scenario is not None else frozenset())
     controller = Controller(store, backend, registry, planner, interval_s=interval_s, ready_timeout_s=ready_timeout_s)
     config = replace(config or GatewayConfig(), upstream_api_key=store.engine_token())
     app = create_gateway_app(registry, config, shedder=shedder)
@@ -342,7 +342,7 @@ def register(app: typer.Typer) -> None:
         db_path = db or DEFAULT_OUT / f"{Path(scenario).stem}.runtime.sqlite"
         store = Store(db_path)
         if store.notice:
-            console.print(f"[yellow]warning:[/] {store.notice}")
+            console.print(f"[yellow]warning:[/] {escape(store.notice)}")
         slos = load_scenario(scenario)
         engine_time = time_scale if backend == "emulated" and time_scale > 0 else 1.0  # clock s per engine s
         engines: EmulatedBackend | VllmProcessBackend | CoralEngineBackend

@@ -10,28 +10,28 @@ over them.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from coral.allocation.plan import PlanClass
 from coral.catalog.loader import load_file
-from coral.catalog.schema import SafeName
+from coral.catalog.schema import MAX_TOKENS_S, Label, SafeName
 
 
 class EndpointSpec(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     id: SafeName = Field(description="metric label and router id")
     model: SafeName
     phase: Literal["prefill", "decode"]
     url: str = Field(pattern=r"^https?://", description="API base, without /v1")
-    weight: float = Field(gt=0, description="planned tokens/s behind this endpoint (router weight)")
-    class_weights: dict[str, float] | None = Field(
+    weight: float = Field(gt=0, le=MAX_TOKENS_S, description="planned tokens/s behind this endpoint (router weight)")
+    class_weights: dict[Label, Annotated[float, Field(ge=0, le=MAX_TOKENS_S)]] | None = Field(
         default=None, description="planned tokens/s per request class behind it (None: every class at `weight`)")
 
 
 class EndpointsFile(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     schema_version: Literal[1] = 1
     endpoints: list[EndpointSpec] = Field(min_length=1)
     request_classes: dict[str, list[PlanClass]] = Field(

@@ -154,7 +154,9 @@ def k8s_gateway(name: str, spec: EndpointsFile, image: str) -> list[dict[str, An
         "name": "gateway", "image": image, "command": argv[:2], "args": argv[2:],
         "env": secret_env(API_KEYS_ENV, READ_TOKENS_ENV),
         "ports": [{"containerPort": GATEWAY_PORT, "name": "http"}],
-        "readinessProbe": {"httpGet": {"path": "/health", "port": GATEWAY_PORT}, "periodSeconds": 10},
+        "readinessProbe": {"httpGet": {"path": "/ready", "port": GATEWAY_PORT}, "periodSeconds": 10},
+        "livenessProbe": {"httpGet": {"path": "/health", "port": GATEWAY_PORT}, "periodSeconds": 10,
+                          "failureThreshold": 6},
         "volumeMounts": [{"name": "endpoints", "mountPath": GATEWAY_DIR, "readOnly": True}],
     }
     digest = hashlib.sha256(text.encode()).hexdigest()
@@ -192,7 +194,7 @@ def sky_gateway(name: str, plan: Plan, res: RenderResult, catalog: Catalog, imag
         "secrets": {API_KEYS_ENV: None},
         "file_mounts": {mounted: ENDPOINTS_FILE},
         "run": sh_line(gateway_argv(mounted), exec_=True) + "\n",
-        "service": {"readiness_probe": {"path": "/health", "initial_delay_seconds": 120}, "replicas": 1,
+        "service": {"readiness_probe": {"path": "/ready", "initial_delay_seconds": 120}, "replicas": 1,
                     "ports": GATEWAY_PORT},
     }
 

@@ -280,7 +280,7 @@ def at_target_rows(setting: str, lib: TemplateLibrary, sc: Scenario, avail: dict
 
     settings = settings or SearchSettings()
     # one evaluator for every method: a plan two searches share is simulated once
-    evaluate = simulator_evaluator(sc, run_length_s(sc), catalog, settings.held_out_seeds)
+    evaluate = simulator_evaluator(sc, run_length_s(sc), catalog, settings.window_seeds)
     rows: list[dict[str, Any]] = []
     for method, fn in PLANNERS.items():
         say = (lambda line, m=method: progress(f"{setting}, {m}: {line}")) if progress else None

@@ -1,69 +1,21 @@
-"""The cheapest plan that meets every model's SLO-attainment target: a bounded search over per-(model, phase)
-headroom with the simulator in the loop.
+"""The cheapest plan whose certified attainment meets every model's target: candidates from a bounded search with
+the simulator in the loop, a choice that does not reward luck, and a verdict on traffic the search never read.
 
-Each round plans capacity = mean traffic × h for every (model, phase) key (h starts at the burst factor of the
-percentile rule, `coral.allocation.demand.headroom`), simulates the plan on the *tuning* request sets (seeds
-`tune_seeds` of the scenario's workload: other segments of the same traces) and reads, on the set where each model
-did worst, its attainment (both SLOs met) and its misses per phase (TTFT misses blame prefill, TPOT misses and
-unfinished requests blame decode). Tuning on the worst of several sets rather than on one keeps the plan from
-fitting one half hour's bursts: on core, one plan's attainment moves by up to 10 points between sets, and the
-held-out sets are as likely as the tuning sets to hold the worst one, so a model counts its worst tuning set less
-half the spread between its sets (`worst_of`).
-
-Per key the search keeps a bracket over the capacity planned (rounded up to whole instances, ÷ mean traffic):
-``lo``, the largest seen too small (initially 1, the mean: a pool sized for the mean queues without bound under
-any burst), and ``hi``, the smallest seen sufficient. A model that
-meets its target with `margin` to spare (misses ≤ (1 − margin) × allowed) sets ``hi`` to its capacity (at most the
-headroom asked: asking for it again gets the same plan) on both of its keys; a model below it sets ``lo`` to its capacity on each phase that misses more than half its allowance (or
-on the worse phase). The next h is the geometric middle of the bracket once both ends were measured; with only ``hi``, h
-steps down by `SHRINK`; with only ``lo``, h grows by the square root of the miss ratio (×1.2 to ×3). A key
-whose bracket is within `tolerance` takes ``hi``. Attainment is not monotone in capacity (the allocator
-changes template shapes as demand moves), so a bound contradicted by a later round is dropped rather than
-trusted, and the result is the cheapest plan *of all rounds* that met every target, not the last one.
-
-Stopping rule: when every bracket is within `tolerance` and the plan of all ``hi`` values has been simulated,
-when a round moved no bracket (the next would ask the same demand and get the same plan again), or after
-`max_rounds` rounds (default `default_rounds`: 14 for 3 models, one more per model beyond). The budget
-is rounds, not seconds, so the same inputs give the same rounds and plan on an idle or a loaded machine: no
-decision of the search reads the clock. `time_budget_s` (default `default_budget_s`, 4x the seconds the rounds
-take on 2 cores, more with more trials) is a wall-clock safety net only, checked before each round; when it stops the search, or the
-allocator's own safety net stops a round's solve, `SearchResult.safety_net` and the plan's `slo.safety_net` say
-so, since the result then depends on the machine's speed and load.
-
-Capacity only where it helps: a key that missed in three or more rounds while its capacity grew
-`UNRESPONSIVE_GROWTH`× since its first miss, with under `RESPONSE` of its phase's shortfall made up, stops
-drawing capacity (its bracket is settled where it stands) and the plan's notes say why: its misses are latency,
-not load. With a `subset` planner (Coral's search: the homogeneous ILP), the subset's own rounds run first and
-the cheapest passing plan of both is kept, so the result is never dearer than the subset's search. With
-`variants` (Coral's search: its allocator pricing slack, `SEARCH_SLACK`), each variant's rounds run after, the
-same way, and the cheapest passing plan of every trial is kept: the plain cost optimum trims the slack a
-coarser plan carries for free, the priced one keeps it where it costs under 0.8 of its cheapest rate, and
-which of the two is the cheaper at the target depends on the market, so the search tries both.
-
-Composed and refined last: a model's attainment depends on its own instances only, so a round where one model
-missed still shows what the others' instances attain. After the trials, the cheapest plan made of one passing part
-per model, from any rounds, within availability (`coral.planning.compose`, an exact choice) is simulated as one
-more round (trial "composed") when it is cheaper than every passing round, and competes with them. Where the
-models compete for scarce nodes (the best passing plan uses every node of some limited region and config), the
-search then refines one model at a time: `refine_rounds` rounds of each of its planners for that model alone,
-within what the other models' parts of the best plan leave (trial "refined"; only that model simulated, the
-others attaining what they did); a cheaper passing round becomes the plan the next model is refined against, and
-the parts of all rounds are composed once more.
-The joint rounds move every model's demand at once and the allocator hands the scarce nodes to whichever model
-they save most at that demand, so a model's part is seldom the cheapest it could have beside the others' (on core
-with 4 L40S GPUs at >= 90 %, qwen3-32b searched alone on L4 and A10G cost $40.43/h where its part of the joint
-plan cost $43.70/h, `benchmarks/scarce_split.py`). With a `subset`, the subset's search runs whole first (its
-rounds, composed and refined), so the plan chosen is never dearer than that search's.
-
-Then the chosen plan is scored on the held-out request sets (other seeds, reading the held-out half of every
-trace, which the tuning sets never read): a model's held-out
-attainment is over all their requests (one hour by default), its worst single set is recorded beside it. Each
-model gets a verdict on the held-out attainment: pass, or fail with the reason: single requests that miss even
-when served alone (the ceiling, measured by simulating the plan on a 2 % thinning of the held-out requests,
-where nothing queues), availability that caps capacity, or a search budget that ran out, each with what would
-meet the target.
+1. *Rounds* (`_run_rounds`). Each round plans capacity = mean traffic x h per (model, phase) key and simulates
+   the plan on the tuning sets (`tune_seeds`: the first half of every trace). Per key a bracket [lo, hi] of the
+   capacity planned narrows: a model meeting its target with `margin` to spare lowers hi, a model short of it
+   raises lo on the phase its misses blame (TTFT: prefill; TPOT: decode). The budget is rounds, never seconds
+   (`default_rounds`); `time_budget_s` is a wall-clock safety net only, and reported when it acts.
+2. *Trials*. With a `subset` planner (Coral's: the homogeneous ILP) its whole search runs first, so the result is
+   never dearer; then the planner's rounds, then each variant's (Coral's allocator pricing slack).
+3. *Parts*. A model's attainment depends on its own instances only, so the cheapest passing part per model from
+   any rounds is composed (`coral.planning.compose`), and where models compete for scarce nodes each is refined
+   alone within what the others leave.
+4. *Choice and verdict* (`coral.planning.certify`): the passing parts are confirmed on fresh tuning windows
+   (common to all), the cheapest confirmed composition is certified on held-out windows, and a model passes only
+   on its certificate. A failing verdict says why: requests too long even served alone (the ceiling), capacity
+   capped by availability, or a budget that ran out.
 """
-
 from __future__ import annotations
 
 import math
@@ -76,10 +28,11 @@ from coral.allocation.availability import PLENTY
 from coral.allocation.baselines import homo_ilp
 from coral.allocation.core import Availability, SlackPrice
 from coral.allocation.demand import TUNING_SEED, DemandKey, headroom, run_length_s, scenario_traffic
-from coral.allocation.plan import Plan, SloCheck
+from coral.allocation.plan import Plan, SloCheck, WindowStats
 from coral.catalog.loader import Catalog
 from coral.catalog.schema import Scenario
 from coral.perf.model import Phase
+from coral.planning.certify import Certification, Rule, certify, holds, summarize
 from coral.planning.compose import (
     Part,
     alone,
@@ -92,25 +45,20 @@ from coral.planning.compose import (
     plan_key,
     seen_limits,
 )
-from coral.simulation.run import simulate
+from coral.planning.evaluation import (
+    CONFIRM_SEEDS,
+    HELD_OUT_SEEDS,
+    Attainment,
+    Evaluator,
+    evaluate_all,
+    simulator_evaluator,
+    window_seeds,
+)
 from coral.templates.library import TemplateLibrary
-from coral.workload.traces import RequestSet, thinned, workload_for
 
 Planner = Callable[[dict[DemandKey, float]], Plan]
 Progress = Callable[[str], None]
 
-
-@dataclass(frozen=True)
-class Attainment:
-    """One model's simulated shares of requests: meeting both SLOs, the TTFT SLO, and the TPOT SLO (finished)."""
-
-    slo: float
-    ttft: float
-    tpot: float
-
-
-#: (plan, workload seed, share of the requests kept) -> attainment per model
-Evaluator = Callable[[Plan, int, float], Mapping[str, Attainment]]
 
 #: step down from a sufficient headroom while no insufficient one above the mean has been seen
 SHRINK = 0.85
@@ -144,8 +92,12 @@ class SearchSettings:
     duration_s: float | None = None  # simulated seconds per request set (default: the scenario's run length)
     # request sets tuned on, read from the tuning part of each trace (its first half): a model's worst one counts
     tune_seeds: tuple[int, ...] = (TUNING_SEED, 10, 11)
-    # request sets the chosen plan is scored on, read from the held-out part (the second half): never tuned on
-    held_out_seeds: tuple[int, ...] = (1, 2)
+    # windows the chosen plan is certified on (its first look; look k adds `LOOK_STRIDE` x k): the whole traces
+    # on seeds no other step reads
+    held_out_seeds: tuple[int, ...] = HELD_OUT_SEEDS
+    # fresh windows of the whole traces each model's candidate parts are confirmed on before one is chosen
+    confirm_seeds: tuple[int, ...] = CONFIRM_SEEDS
+    rule: Rule = field(default_factory=Rule)  # what a model must show on windows to hold (`coral.planning.certify`)
     max_rounds: int | None = None  # the search's budget; default: `default_rounds` (core 14, extended 17)
     time_budget_s: float | None = None  # wall-clock safety net only; default: `default_budget_s` (core 480 s,
     # extended 1920 s, half as much again for each trial beyond two: Coral's search 720 s and 2880 s)
@@ -156,6 +108,11 @@ class SearchSettings:
     # nodes on core (from the best plan's own headroom instead, 5 did not: qwen3-32b's plain-allocator plan there
     # attained 72 % where its slack-priced part of the same cost attained 91 %)
     refine_rounds: int = 6
+
+    @property
+    def window_seeds(self) -> tuple[int, ...]:
+        """Every seed of a window (the confirmation's and each certification look's): the whole traces."""
+        return window_seeds(self.held_out_seeds, self.confirm_seeds, self.rule.looks)
 
 
 @dataclass
@@ -266,32 +223,6 @@ def search_method(method: Callable[..., Plan], library: TemplateLibrary, scenari
                        availability=availability, within=within)
 
 
-def simulator_evaluator(scenario: Scenario, duration_s: float, catalog: Catalog | None = None,
-                        held_out_seeds: tuple[int, ...] | None = None) -> Evaluator:
-    """Attainment from the simulator on the scenario's workload of each seed (kept once made), thinned to a share
-    of its requests when asked (requests served alone: nothing queues). A seed of `held_out_seeds` (default:
-    `SearchSettings().held_out_seeds`; pass the search's own when it sets others) reads the held-out part of
-    each trace, every other seed the tuning part (`coral.workload.traces.TracePart`), so the held-out sets hold
-    no request the tuning sets hold."""
-    held = frozenset(SearchSettings().held_out_seeds if held_out_seeds is None else held_out_seeds)
-    workloads: dict[int, dict[str, RequestSet]] = {}
-    seen: dict[tuple[str, int, float], dict[str, Attainment]] = {}
-
-    def evaluate(plan: Plan, seed: int, share: float = 1.0) -> dict[str, Attainment]:
-        key = (plan.model_dump_json(include={"instances", "request_classes"}), seed, share)
-        if key in seen:  # rounds whose demand moved too little to change the plan: same plan, same result
-            return seen[key]
-        if seed not in workloads:
-            workloads[seed] = workload_for(scenario, duration_s, seed, part="held_out" if seed in held else "tune")
-        requests = workloads[seed] if share >= 1 else thinned(workloads[seed], share, seed)
-        sim = simulate(plan, scenario, requests, duration_s=duration_s, seed=seed, catalog=catalog)
-        seen[key] = {m.model: Attainment(m.slo_attainment, m.ttft_attainment, m.tpot_attainment)
-                     for m in sim.models}
-        return seen[key]
-
-    return evaluate
-
-
 def worst_of(results: list[Mapping[str, Attainment]]) -> dict[str, Attainment]:
     """Per model, a cautious attainment over several request sets: the worst set's, less half the spread between
     the sets (the held-out sets are as likely as any to hold the worst half hour, so a bursty model, whose sets
@@ -312,7 +243,7 @@ def _blamed(miss_prefill: float, miss_decode: float, allowed: float) -> list[Pha
 
 def tuning_attainment(plan: Plan, cfg: SearchSettings, evaluate: Evaluator) -> dict[str, Attainment]:
     """What the search reads of a plan: per model, its cautious attainment over the tuning sets (`worst_of`)."""
-    return worst_of([evaluate(plan, seed, 1.0) for seed in cfg.tune_seeds])
+    return worst_of(evaluate_all(evaluate, plan, cfg.tune_seeds))
 
 
 def with_traffic(plan: Plan, traffic: Mapping[DemandKey, float]) -> Plan:
@@ -470,13 +401,7 @@ def _composed_rounds(trials: Sequence[_Trial], scenario: Scenario, cfg: SearchSe
     out = _Trial()
     every = [(r, t.plans[r.index]) for t in trials for r in t.rounds if r.index in t.plans]
     best = min((r.cost_per_hour or 0.0 for r, _ in every if r.passed), default=math.inf)
-    options: dict[str, list[Part]] = {m: [] for m in target}
-    for r, plan in every:
-        for m in (m for m, ok in _meets(r.attainment, target, cfg.margin).items() if ok):
-            part = part_of(plan, m, r.index)
-            if all(part.signature != o.signature for o in options[m]):
-                options[m].append(part)
-    parts = cheapest_parts(options, limits)
+    parts = cheapest_parts(passing_parts(every, target, cfg.margin), limits)
     if parts is None:
         return out
     plan = with_traffic(composed_plan(parts), traffic)
@@ -500,6 +425,18 @@ def _composed_rounds(trials: Sequence[_Trial], scenario: Scenario, cfg: SearchSe
     return out
 
 
+def passing_parts(every: Sequence[tuple[Round, Plan]], target: Mapping[str, float], margin: float
+                  ) -> dict[str, list[Part]]:
+    """Per model, its distinct parts of the rounds (with their plans) where it met its target, in round order."""
+    options: dict[str, list[Part]] = {m: [] for m in target}
+    for r, plan in every:
+        for m in (m for m, ok in _meets(r.attainment, target, margin).items() if ok):
+            part = part_of(plan, m, r.index)
+            if all(part.signature != o.signature for o in options[m]):
+                options[m].append(part)
+    return options
+
+
 def binds(plan: Plan, availability: Mapping[str, Mapping[str, int]]) -> bool:
     """Whether `plan` uses every node of some limited (region, config) of `availability`: the models compete
     for those nodes."""
@@ -507,16 +444,21 @@ def binds(plan: Plan, availability: Mapping[str, Mapping[str, int]]) -> bool:
     return any(0 < n < PLENTY and use.get((r, c), 0) >= n for r, cs in availability.items() for c, n in cs.items())
 
 
-def alone_evaluator(model: str, others: Plan, evaluate: Evaluator) -> Evaluator:
+class AloneEvaluator:
     """`evaluate` for plans that change `model`'s part only: that part simulated alone, every other model's
     attainment its own in `others` (a model's attainment depends on its own instances only, exactly:
     `tests/test_compose.py`)."""
 
-    def evaluate_alone(plan: Plan, seed: int, share: float = 1.0) -> dict[str, Attainment]:
-        mine = evaluate(composed_plan([part_of(plan, model, 0)]), seed, share)
-        return {**evaluate(others, seed, share), model: mine[model]}
+    def __init__(self, model: str, others: Plan, evaluate: Evaluator) -> None:
+        self.model, self.others, self.evaluate = model, others, evaluate
 
-    return evaluate_alone
+    def __call__(self, plan: Plan, seed: int, share: float = 1.0) -> dict[str, Attainment]:
+        return self.many(plan, [seed], share)[0]
+
+    def many(self, plan: Plan, seeds: Sequence[int], share: float = 1.0) -> list[dict[str, Attainment]]:
+        mine = evaluate_all(self.evaluate, composed_plan([part_of(plan, self.model, 0)]), seeds, share)
+        theirs = evaluate_all(self.evaluate, self.others, seeds, share)
+        return [{**t, self.model: m[self.model]} for t, m in zip(theirs, mine, strict=True)]
 
 
 def _refined_rounds(trials: Sequence[_Trial], planners: Callable[[Availability], Sequence[Planner]],
@@ -544,7 +486,7 @@ def _refined_rounds(trials: Sequence[_Trial], planners: Callable[[Availability],
                                 f"at {m}")
                 return out
             room = {**best_round.headroom, **{k: v for k, v in start.items() if k[0] == m}}
-            trial = _run_rounds(alone(m, best, planner), scenario, cfg, room, alone_evaluator(m, best, evaluate),
+            trial = _run_rounds(alone(m, best, planner), scenario, cfg, room, AloneEvaluator(m, best, evaluate),
                                 say, t0, cfg.refine_rounds, budget, first_index + len(out.rounds), "refined", models=[m])
             out.rounds += trial.rounds
             out.plans.update(trial.plans)
@@ -601,7 +543,7 @@ def search_plan(
     say = progress or (lambda _: None)
     duration = cfg.duration_s or run_length_s(scenario)
     target = {sm.model: sm.slo_attainment for sm in scenario.models}
-    evaluate = evaluate or simulator_evaluator(scenario, duration, catalog, cfg.held_out_seeds)
+    evaluate = evaluate or simulator_evaluator(scenario, duration, catalog, cfg.window_seeds)
     max_rounds = cfg.max_rounds if cfg.max_rounds is not None else default_rounds(scenario)
     start = headroom(scenario)
     table = availability if availability is not None and not isinstance(availability, str) else None
@@ -658,13 +600,40 @@ def search_plan(
     if chosen is None or chosen.index not in plans:
         return SearchResult(None, last_proposal, rounds, time.perf_counter() - t0, net)
     best = plans[chosen.index]
-    say(f"scoring the chosen plan (round {chosen.index + 1}) on {len(cfg.held_out_seeds)} held-out request sets")
-    best.slo = score(best, scenario, cfg, duration, chosen.attainment, chosen.headroom, cap, evaluate)
+    cert = None
+    if cfg.held_out_seeds:
+        every = [(r, plans[r.index]) for r in rounds if r.index in plans]
+        limits = availability_limits(availability) if availability is not None else seen_limits(list(plans.values()))
+        cert = certify(passing_parts(every, target, cfg.margin) if passing else {},
+                       [part_of(best, m, chosen.index) for m in target], target, limits, evaluate,
+                       cfg.confirm_seeds if passing else (), cfg.held_out_seeds, cfg.rule, say)
+        chosen = _certified_round(cert, rounds, plans, chosen, scenario)
+        best = plans[chosen.index]
+    best.slo = score(best, scenario, cfg, duration, chosen.attainment, chosen.headroom, cap, evaluate, cert)
     best.slo.safety_net = net
     best.slo.notes += [f"{m}/{p.value} {why}" for (m, p), why in unresponsive.items()]
     if not chosen.passed:
         best.slo.notes.append(missed_words(chosen, target, len(rounds), max_rounds * searched))
     return SearchResult(best, chosen.headroom, rounds, time.perf_counter() - t0, net, chosen.index)
+
+
+def _certified_round(cert: Certification, rounds: list[Round], plans: dict[int, Plan], chosen: Round,
+                     scenario: Scenario) -> Round:
+    """The round of the certified plan: the round whose plan it is, else a new one (trial "confirmed") made of
+    its parts' rounds (each model's tuning attainment and headroom its part's), appended to `rounds`."""
+    key = plan_key(cert.plan)
+    same = [r for r in rounds if r.index in plans and plan_key(plans[r.index]) == key]
+    if same:
+        return min(same, key=_cheapest_first)
+    by_index = {r.index: r for r in rounds}
+    source = {p.model: by_index.get(p.round_index, chosen) for p in cert.parts}
+    traffic = scenario_traffic(scenario)
+    index = len(rounds)
+    rounds.append(Round(index, {k: source[k[0]].headroom.get(k, 1.0) for k in traffic if k[0] in source},
+                        cert.plan.cost_per_hour, {m: r.attainment.get(m, 0.0) for m, r in source.items()},
+                        chosen.passed, "; ".join(cert.plan.solve.notes), cert.wall_s, "confirmed"))
+    plans[index] = with_traffic(cert.plan, traffic)
+    return rounds[-1]
 
 
 def missed_words(chosen: Round, target: Mapping[str, float], n_rounds: int, max_rounds: int) -> str:
@@ -677,40 +646,61 @@ def missed_words(chosen: Round, target: Mapping[str, float], n_rounds: int, max_
 
 def score(plan: Plan, scenario: Scenario, cfg: SearchSettings, duration: float, tuned: Mapping[str, float],
           room: Mapping[DemandKey, float], capped: Mapping[DemandKey, float] | None = None,
-          evaluate: Evaluator | None = None) -> SloCheck:
-    """Attainment of `plan` (planned with headroom `room`, attaining `tuned` on the tuning requests; `capped`:
-    the headroom at which availability ran out per key) on the held-out request sets, and a verdict per model
-    (module doc)."""
+          evaluate: Evaluator | None = None, cert: Certification | None = None) -> SloCheck:
+    """The verdict per model on `plan` (planned with headroom `room`, attaining `tuned` on the tuning requests;
+    `capped`: the headroom at which availability ran out per key): pass when the model holds on its certificate
+    (`cert`, else the plan simulated on `cfg.held_out_seeds`, one look), else fail with the reason (module doc).
+    Without held-out windows the verdict is on the tuning attainment."""
     capped = capped or {}
-    evaluate = evaluate or simulator_evaluator(scenario, duration, held_out_seeds=cfg.held_out_seeds)
+    evaluate = evaluate or simulator_evaluator(scenario, duration, windows=cfg.window_seeds)
     target = {sm.model: sm.slo_attainment for sm in scenario.models}
-    sets = [evaluate(plan, seed, 1.0) for seed in cfg.held_out_seeds]
-    held = {m: sum(r[m].slo for r in sets if m in r) / len(sets) for m in target} if sets else {
-        m: tuned.get(m, 0.0) for m in target}
-    worst = {m: min((r[m].slo for r in sets if m in r), default=held[m]) for m in target}
-    failing = [m for m in target if held.get(m, 0.0) < target[m]]
+    rule = cfg.rule
+    seeds = list(cfg.held_out_seeds)
+    if cert is not None:
+        certified = dict(cert.stats)
+    else:
+        t0 = time.perf_counter()
+        sets = evaluate_all(evaluate, plan, seeds)
+        certified = {m: summarize([r.get(m, Attainment(0.0, 0.0, 0.0)) for r in sets], seeds, rule.per_look)
+                     for m in target} if sets else {}
+        spent = time.perf_counter() - t0
+    ok = {m: holds(certified[m], target[m], rule.tail) if m in certified else tuned.get(m, 0.0) >= target[m]
+          for m in target}
     ceiling: dict[str, float] = {}
-    if failing:
-        seed = cfg.held_out_seeds[0] if cfg.held_out_seeds else cfg.tune_seeds[0]
+    if not all(ok.values()):
+        seed = seeds[0] if seeds else cfg.tune_seeds[0]
         ceiling = {m: a.slo for m, a in evaluate(plan, seed, CEILING_SAMPLE).items()}
-    verdict: dict[str, str] = {}
-    for m in target:
-        got = held.get(m, 0.0)
-        if got >= target[m]:
-            verdict[m] = f"pass: {got:.1%} >= {target[m]:.0%} on held-out requests"
-        elif m in ceiling and ceiling[m] < target[m]:
-            verdict[m] = (f"fail: {got:.1%} < {target[m]:.0%}; even served alone only {ceiling[m]:.1%} of its "
-                          "requests meet both SLOs on these templates (single requests too long for the SLO), so no "
-                          f"added capacity meets {target[m]:.0%}: relax the SLO or set slo_attainment <= "
-                          f"{math.floor(ceiling[m] * 100) / 100:.2f}")
-        elif any(k[0] == m for k in capped):
-            verdict[m] = (f"fail: {got:.1%} < {target[m]:.0%}; availability caps its capacity (no plan at "
-                          f"{max(v for k, v in capped.items() if k[0] == m):.2f}x its mean traffic): add nodes "
-                          "or plan in goodput mode")
-        else:
-            verdict[m] = (f"fail: {got:.1%} < {target[m]:.0%} on held-out requests ({tuned.get(m, 0.0):.1%}"
-                          f" when tuned) at ${plan.cost_per_hour:,.2f}/h; more headroom than "
-                          f"{max((v for k, v in room.items() if k[0] == m), default=1.0):.2f}x the mean (a larger "
-                          "search budget or margin) should meet it")
-    return SloCheck(target=target, tuned=dict(tuned), held_out=held, held_out_worst=worst,
-                    held_out_seeds=list(cfg.held_out_seeds), duration_s=duration, verdict=verdict)
+    verdict = {m: _verdict(m, target[m], certified.get(m), ok[m], tuned.get(m, 0.0), ceiling, capped, room, rule,
+                           plan.cost_per_hour) for m in target}
+    return SloCheck(target=target, tuned=dict(tuned),
+                    held_out={m: c.pooled for m, c in certified.items()},
+                    held_out_worst={m: c.worst for m, c in certified.items()}, held_out_seeds=seeds,
+                    duration_s=duration, certified=certified, tail=rule.tail,
+                    certification_s=cert.wall_s if cert is not None else spent if seeds else 0.0,
+                    certification_windows=cert.windows if cert is not None else len(seeds), verdict=verdict,
+                    notes=list(cert.notes) if cert is not None else [])
+
+
+def certificate_words(c: WindowStats) -> str:
+    """A model's windows in a few words."""
+    return (f"{c.lower_bound:.1%} certified ({c.confidence:.1%} lower bound over {c.windows} held-out windows; "
+            f"pooled {c.pooled:.1%}, p5 {c.p5:.1%}, worst {c.worst:.1%})")
+
+
+def _verdict(m: str, target: float, c: WindowStats | None, ok: bool, tuned: float, ceiling: Mapping[str, float],
+             capped: Mapping[DemandKey, float], room: Mapping[DemandKey, float], rule: Rule, cost: float) -> str:
+    """One model's verdict (module doc of `coral.planning.certify` for the rule)."""
+    got = certificate_words(c) if c is not None else f"{tuned:.1%} on the tuning requests (no held-out windows)"
+    if ok:
+        return f"pass: {got} >= {target:.0%}" + (f", p5 within {rule.tail:.0%} of it" if c is not None else "")
+    if m in ceiling and ceiling[m] < target:
+        return (f"fail: {got}; even served alone only {ceiling[m]:.1%} of its requests meet both SLOs on these "
+                "templates (single requests too long for the SLO), so no added capacity meets "
+                f"{target:.0%}: relax the SLO or set slo_attainment <= {math.floor(ceiling[m] * 100) / 100:.2f}")
+    if any(k[0] == m for k in capped):
+        return (f"fail: {got}; availability caps its capacity (no plan at "
+                f"{max(v for k, v in capped.items() if k[0] == m):.2f}x its mean traffic): add nodes or plan in "
+                "goodput mode")
+    return (f"fail: not certified for {target:.0%}: {got} ({tuned:.1%} when tuned) at ${cost:,.2f}/h; more "
+            f"headroom than {max((v for k, v in room.items() if k[0] == m), default=1.0):.2f}x the mean (a larger "
+            "search budget or margin) should meet it")

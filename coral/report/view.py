@@ -329,12 +329,16 @@ def verdict_section(plan: Plan) -> dict[str, Any] | None:
     slo = plan.slo
     if slo is None or not slo.held_out:
         return None
+    cert = slo.certified
     models = [{"model": m, "target": goal, "held_out": slo.held_out.get(m), "worst": slo.held_out_worst.get(m),
+               "certified": cert[m].lower_bound if m in cert else None, "p5": cert[m].p5 if m in cert else None,
+               "windows": cert[m].windows if m in cert else len(slo.held_out_seeds),
                "tuned": slo.tuned.get(m), "pass": slo.passed(m), "verdict": slo.verdict.get(m, "")}
               for m, goal in slo.target.items()]
+    confidence = max((c.confidence for c in cert.values()), default=None)
     return {"cost_per_hour": plan.cost_per_hour, "passed": all(r["pass"] for r in models),
-            "n_sets": len(slo.held_out_seeds), "duration_s": slo.duration_s, "models": models,
-            "notes": [n for n in slo.notes if n.startswith("missed")]}
+            "n_sets": max((c.windows for c in cert.values()), default=len(slo.held_out_seeds)), "duration_s": slo.duration_s, "models": models,
+            "confidence": confidence, "tail": slo.tail, "notes": [n for n in slo.notes if n.startswith("missed")]}
 
 
 def slo_section(
@@ -610,6 +614,9 @@ def view_model(
         notes.append(f"instances add up to ${total:.2f}/h but the plan states ${plan.cost_per_hour:.2f}/h")
     notes.extend(mismatch_notes(plan, inputs))
     scenario = scenario or _scenario_named(plan.scenario)
+    verdict, slo = verdict_section(plan), slo_section(inputs, targets, default)
+    if verdict is not None and slo is not None:  # one verdict a page: a simulated run is one window, not a verdict
+        slo["graded"] = False
     return {
         "version": VIEW_VERSION,
         "title": plan_title(plan),
@@ -621,8 +628,8 @@ def view_model(
         "instance_groups": instance_groups(plan, catalog),
         "comparison": comparison(plan, baselines, inputs.methods) if baselines else None,
         "savings": savings(plan, baselines),
-        "verdict": verdict_section(plan),
-        "slo": slo_section(inputs, targets, default),
+        "verdict": verdict,
+        "slo": slo,
         "methods": [m.model_dump(mode="json") for m in inputs.methods],
         "demand": demand_section(scenario),
         "timeseries": timeseries_view(inputs.timeseries),

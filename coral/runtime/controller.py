@@ -38,6 +38,7 @@ import httpx
 from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
+from pydantic import ValidationError
 
 from coral.allocation.plan import Plan, PlanInstance
 from coral.allocation.plan_check import PlanLimits, check_plan
@@ -64,8 +65,9 @@ STATES = (*ACTIVE, "failed", "stopped")
 class Store:
     """Desired plan, observed instances and the action log in one SQLite file (thread-safe).
 
-    A file that is not a SQLite database (or a corrupt one) is moved aside to `<name>.corrupt-<unix time>` and
-    a fresh database started (`notice` says so, and the action log's first row); a file that cannot be opened
+    A file that is not a SQLite database (or a corrupt one) is moved aside to `<name>.corrupt-<unix time>`, one
+    whose stored plan or instances no longer validate to `<name>.invalid-<unix time>`, and a fresh database
+    started (`notice` says so, and the action log's first row); a file that cannot be opened
     or written (permissions, a read-only file or folder) is refused with CoralInputError naming it."""
 
     def __init__(self, path: str | Path) -> None:
@@ -79,18 +81,40 @@ class Store:
             except sqlite3.OperationalError:
                 raise
             except sqlite3.DatabaseError as exc:
-                backup = self.path.with_name(f"{self.path.name}.corrupt-{int(time.time())}")
-                self.path.replace(backup)
-                for side in ("-wal", "-shm"):
-                    Path(f"{self.path}{side}").unlink(missing_ok=True)
-                self.db = self._open()
-                self.notice = f"{self.path} was not a readable SQLite database ({exc}): kept as {backup.name}, started empty"
-                self.finish(self.begin("reset-state", "-"), "done", self.notice)
+                self._start_afresh("corrupt", f"was not a readable SQLite database ({exc})")
+            else:
+                if (problem := self._invalid_contents()) is not None:
+                    self.db.close()  # checkpoints the WAL into the file kept aside
+                    self._start_afresh("invalid", f"holds a plan or instance that no longer validates ({problem})")
         except (sqlite3.OperationalError, OSError) as exc:
             raise CoralInputError(
                 f"{self.path}: cannot open the controller state database for writing ({exc}); fix its "
                 "permissions or pass --db with a writable path"
             ) from None
+
+    def _start_afresh(self, why: str, what: str) -> None:
+        """Keep the file aside as `<name>.<why>-<unix time>` and start an empty database; `notice` and the action
+        log's first row say so."""
+        backup = self.path.with_name(f"{self.path.name}.{why}-{int(time.time())}")
+        self.path.replace(backup)
+        for side in ("-wal", "-shm"):
+            Path(f"{self.path}{side}").unlink(missing_ok=True)
+        self.db = self._open()
+        self.notice = f"{self.path} {what}: kept as {backup.name}, started empty"
+        self.finish(self.begin("reset-state", "-"), "done", self.notice)
+
+    def _invalid_contents(self) -> str | None:
+        """Why the stored plan, desired or observed instances do not validate as this version's schema (e.g. a
+        non-finite number an older version let in), else None."""
+        try:
+            self.plan()
+            self.desired()
+            self.observed(STATES)
+        except ValidationError as exc:
+            return f"{exc.error_count()} error(s), first: {_first_error(exc)}"
+        except ValueError as exc:  # a handle that is not JSON
+            return str(exc)[:200]
+        return None
 
     def _open(self) -> sqlite3.Connection:
         self.path.touch(mode=0o600)  # owner-only: it holds the engines' token
@@ -498,6 +522,12 @@ class Controller:
             "last_error": self.last_error,
             "updated_at": time.time(),
         }
+
+
+def _first_error(exc: ValidationError) -> str:
+    """'field.path: message' of the first error of `exc`."""
+    err = exc.errors()[0]
+    return f"{'.'.join(str(p) for p in err['loc']) or '(top level)'}: {err['msg']}"
 
 
 def _health_error(url: str | None) -> str:

@@ -2,7 +2,7 @@
 per node (`coral.engine`), its stages mapped onto a checkpoint's layers.
 
 Without a checkpoint, each model of the plan is served under its plan name by the tiny model of its catalog
-architecture (`coral.engine.tiny_model`: the catalog's `model_type`, e.g. phi-4 by a tiny phi3, gpt-oss by a tiny
+architecture (`coral.tiny_model`: the catalog's `model_type`, e.g. phi-4 by a tiny phi3, gpt-oss by a tiny
 gpt_oss with experts, sinks and sliding-window layers), made once in a cache directory; a model the catalog does
 not know, or whose architecture the engine does not run, gets the tiny Llama. The plan's layer split is scaled to
 the tiny model's 8 layers, so instances of up to 8 stages run (see `coral.engine.layout`), and a node's TP degree
@@ -31,7 +31,7 @@ def serve_architecture(model: str) -> str:
     """The tiny architecture standing in for catalog model `model`: its `model_type` where the engine runs it,
     else llama."""
     from coral.catalog.loader import builtin_catalog
-    from coral.engine.tiny_model import ARCHITECTURES
+    from coral.tiny_model import ARCHITECTURES
 
     arch = builtin_catalog().models.get(model)
     return arch.model_type if arch is not None and arch.model_type in ARCHITECTURES else "llama"
@@ -62,7 +62,7 @@ class CoralEngineBackend:
         on first use, in `cache_dir / f"tiny-{architecture}"`; no model: the tiny Llama)."""
         if self.checkpoint is not None:
             return self.checkpoint
-        from coral.engine.tiny_model import TinySpec, make_tiny
+        from coral.tiny_model import TinySpec, make_tiny
 
         arch = serve_architecture(model)
         spec = TinySpec(num_hidden_layers=SERVE_MODEL_LAYERS, initializer_range=0.25)

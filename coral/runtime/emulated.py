@@ -31,7 +31,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from coral.allocation.plan import PlanInstance
 from coral.catalog.loader import CoralInputError
 from coral.http_serving import unless_disconnected
-from coral.openai_shapes import bearer_allowed, chunk, error_body, full, max_tokens_of, usage
+from coral.openai_shapes import bearer_allowed, choice_body, chunk, error_body, full, max_tokens_of, usage
 from coral.simulation.engine import Stride, cycle_s, take_chunks
 from coral.simulation.kernels import KernelCache, NodeKernel, decode_step
 
@@ -451,37 +451,45 @@ def create_engine_app(
             }
             return JSONResponse(out, headers=headers)
 
-        async def tokens() -> AsyncIterator[str]:
+        n = int(body.get("n") or 1)  # choices, each of n_out tokens, decoded side by side (one decode's time)
+
+        async def steps() -> AsyncIterator[int]:
             st.active += 1
             try:
                 i = 0
                 async for _ in engine.decode(n_prompt, n_out, sender):
-                    yield token_text(prompt, i)
+                    yield i
                     i += 1
             finally:
                 st.active -= 1
 
+        def text_of(k: int, i: int) -> str:
+            """Token i of choice k (the choices differ)."""
+            return token_text(prompt, i + k)
+
         if not body.get("stream"):
-            text = "".join([t async for t in tokens()])
-            return JSONResponse(full(chat, rid, model, text, n_prompt, n_out), headers=headers)
+            done = [i async for i in steps()]
+            choices = [choice_body(chat, k, "".join(text_of(k, i) for i in done)) for k in range(n)]
+            return JSONResponse(full(chat, rid, model, "", n_prompt, n * len(done), choices), headers=headers)
 
         so = body.get("stream_options")
         include_usage = isinstance(so, dict) and bool(so.get("include_usage"))
 
         async def sse() -> AsyncIterator[bytes]:
-            i = 0
-            async for t in tokens():
+            decoded = 0
+            async for i in steps():
                 finish = "length" if i == n_out - 1 else None
-                piece = chunk(chat, rid, model, t, finish, i == 0)
-                if include_usage:
-                    piece["usage"] = None
-                yield f"data: {json.dumps(piece)}\n\n".encode()
-                i += 1
+                for k in range(n):
+                    piece = chunk(chat, rid, model, text_of(k, i), finish, i == 0, k)
+                    if include_usage:
+                        piece["usage"] = None
+                    yield f"data: {json.dumps(piece)}\n\n".encode()
+                decoded = i + 1
             if include_usage:
                 last = {
                     **chunk(chat, rid, model, "", None, False),
                     "choices": [],
-                    "usage": usage(n_prompt, i),
+                    "usage": usage(n_prompt, n * decoded),
                 }
                 yield f"data: {json.dumps(last)}\n\n".encode()
             yield b"data: [DONE]\n\n"

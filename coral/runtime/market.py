@@ -9,7 +9,6 @@ import dataclasses
 import hashlib
 import threading
 from collections.abc import Callable
-from pathlib import Path
 
 import httpx
 
@@ -19,6 +18,7 @@ from coral.catalog.loader import (
     check_region_table,
     offerings_catalog,
     parse_structured,
+    read_input_text,
     validate,
 )
 from coral.catalog.schema import MarketSnapshot, Scenario
@@ -36,7 +36,7 @@ def read_market(location: str, scenario: Scenario, base: Catalog, timeout_s: flo
             response.raise_for_status()
             text = response.text
         else:
-            text = Path(location).read_text()
+            text = read_input_text(location)
     except (OSError, httpx.HTTPError) as exc:
         raise CoralInputError(f"{location}: cannot read the market: {exc}") from None
     data = parse_structured(text, location)

@@ -90,6 +90,9 @@ class Registry:
     plan: Plan | None = None
     """The plan in force (set by the controller): whether and where the gateway sheds
     (`coral.allocation.shedding.shed_capacity`)."""
+    expected: frozenset[str] = frozenset()
+    """Models to be served while no plan is in force yet (`coral serve`: the scenario's), so that a request for one
+    is told to come back (503), not that the model does not exist."""
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def add(self, ep: Endpoint) -> Endpoint:
@@ -127,6 +130,12 @@ class Registry:
 
     def models(self) -> list[str]:
         return sorted({e.model for e in self.all()})
+
+    def planned_models(self) -> list[str]:
+        """The models to be served: those of the plan in force; before one, `expected` and those registered."""
+        if self.plan is not None:
+            return sorted({i.model for i in self.plan.instances})
+        return sorted(self.expected | set(self.models()))
 
     def pool(self, model: str, phase: str) -> list[Endpoint]:
         return [e for e in self.all() if e.model == model and e.phase == phase]

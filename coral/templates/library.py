@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import sqlite3
@@ -137,6 +138,22 @@ class TemplateLibrary:
         if key not in self._memo:
             self._memo[key] = make()
         return cast(T, self._memo[key])
+
+    def content_digest(self) -> str:
+        """A short hash of every template (configs and row columns; memoised per library object): what is
+        derived from the templates alone is cached under it (`coral.allocation.latency.RatingCache`)."""
+        def make() -> str:
+            h = hashlib.blake2b(json.dumps(self.configs).encode(), digest_size=16)
+            for (model, phase), rows in self.memo("rows_by_key", self._rows_by_key).items():  # model, phase
+                h.update(f"{model}/{phase}:".encode())
+                h.update(rows.tobytes())
+            for name in _ROW_COLUMNS[2:]:
+                column = np.ascontiguousarray(getattr(self, name))
+                h.update(f"{name}:{column.dtype.str}:{column.shape}".encode())
+                h.update(column.data)
+            return h.hexdigest()
+
+        return self.memo("content_digest", make)
 
     # --- queries --------------------------------------------------------------------------------------
     def keys(self) -> list[tuple[str, Phase]]:

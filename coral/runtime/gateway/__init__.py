@@ -2,7 +2,8 @@
 
 Request path: admission (at most `max_concurrency` requests upstream, at most `max_waiting` queued, each at most
 half its first-byte budget (`admission_wait_s`); beyond that 429 with Retry-After; 503 when the model has no
-routable instance) -> for a model with prefill and decode instances, a non-streaming `max_tokens: 1` request with
+routable instance, a planned model whose instances are not ready yet among them: never 404) -> for a model with
+prefill and decode instances, a non-streaming `max_tokens: 1` request with
 `kv_transfer_params: {do_remote_decode: true}` to a prefill instance, then the client's request plus the returned
 `kv_transfer_params` to a decode instance (models with a single pool are sent there directly, and a PD model whose
 decode pool has no routable instance, or whose decode instances all failed the request (down, not busy), is
@@ -24,7 +25,7 @@ the object they were picked on, so churn cannot skew them. When the server's shu
 signal: `coral.http_serving.closing_event`), `Gateway.shut` answers the requests still waiting 503
 `server_shutdown` and ends each open stream with an SSE error event of that code and `data: [DONE]`.
 
-Access: with API keys configured (or read-only tokens), every path but `/health` needs `Authorization: Bearer KEY`
+Access: with API keys configured (or read-only tokens), every path but `/health` and `/ready` needs `Authorization: Bearer KEY`
 (`AccessGuard`; the scheme in any case; keys and tokens are kept only as SHA-256 digests): API keys reach
 everything, read-only tokens GET the dashboard, metrics and state, the admin token `/replan` and those views. Each
 key (or client address without keys) has a token bucket of `rate_limit_rps` answering 429 with Retry-After; bodies
@@ -52,6 +53,10 @@ first-byte deadline (`x-coral-deadline`, unix seconds), so an engine drops what 
 whose `/health` answers an error is out of routing at the next probe. Requests piling up on a slow instance are
 bounded by the router (`registry`: no new request to an instance more than `Registry.max_excess` above its weighted
 share of the pool's in-flight ones).
+
+Probes: `/health` (GET or HEAD) is liveness, 200 while the gateway answers; `/ready` is readiness, 200 once every
+planned model (`Registry.planned_models`: the plan in force's, before one the scenario's) has a routable instance,
+else 503 with Retry-After naming the models not ready yet.
 """
 
 from __future__ import annotations

@@ -5,19 +5,27 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
+from prometheus_client import Counter
 from starlette.datastructures import Headers
 from starlette.requests import HTTPConnection
 from starlette.types import Message, Receive, Scope, Send
 
 from coral.openai_shapes import bearer_token
-from coral.runtime.gateway.config import OPEN_PATHS, TOKEN_COOKIE, key_digest
+from coral.runtime.gateway.config import OPEN_PATHS, TOKEN_COOKIE, GatewayConfig, key_digest
 from coral.runtime.gateway.errors import error_response
 
-if TYPE_CHECKING:
-    from coral.runtime.gateway.upstream import Gateway
 
+class Guarded(Protocol):
+    """What the access middlewares read of the gateway (`upstream.Gateway`): its config, and the request counter
+    they count refusals in."""
+
+    @property
+    def config(self) -> GatewayConfig: ...
+
+    @property
+    def requests(self) -> Counter: ...
 
 
 class RateLimiter:
@@ -44,13 +52,12 @@ class RateLimiter:
         return (1.0 - tokens) / self.rate
 
 
-
 class AccessGuard:
     """ASGI middleware: when `GatewayConfig.guarded`, every request but `OPEN_PATHS` needs a credential the
     config `allows` for its method and path (`Authorization: Bearer`, the scheme in any case; under
     /dashboard also the `TOKEN_COOKIE`, set by `GET /dashboard?token=TOKEN`), else 401 in OpenAI's shape."""
 
-    def __init__(self, app: Callable[[Scope, Receive, Send], Awaitable[None]], gateway: Gateway) -> None:
+    def __init__(self, app: Callable[[Scope, Receive, Send], Awaitable[None]], gateway: Guarded) -> None:
         self.app, self.gw = app, gateway
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -86,7 +93,7 @@ class FramingGuard:
     each take a different one of the two framings would see different requests, the smuggling of one inside
     another)."""
 
-    def __init__(self, app: Callable[[Scope, Receive, Send], Awaitable[None]], gateway: Gateway) -> None:
+    def __init__(self, app: Callable[[Scope, Receive, Send], Awaitable[None]], gateway: Guarded) -> None:
         self.app, self.gw = app, gateway
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from coral.allocation.shedding import Shedder
-from coral.http_serving import closing_event, unless_disconnected
+from coral.http_serving import PagePolicy, closing_event, unless_disconnected
 from coral.openai_shapes import InvalidRequest, parse_request
 from coral.runtime.gateway.access import AccessGuard, FramingGuard
 from coral.runtime.gateway.config import (
@@ -93,6 +93,7 @@ def create_gateway_app(
     app = FastAPI(title="coral gateway", lifespan=lifespan)
     app.state.gateway = gw
     closing_event(app)
+    app.add_middleware(PagePolicy)  # the dashboard's CSP
     app.add_middleware(AccessGuard, gateway=gw)
     app.add_middleware(FramingGuard, gateway=gw)  # outermost: before the credentials are read
     install_openai_errors(app)
@@ -131,9 +132,23 @@ def create_gateway_app(
         msg = f"{model} is over its capacity ({rates}): {why}; retry after {retry} s"
         return error_response(429, msg, "model_over_capacity", None, retry)
 
+    @app.head("/health", include_in_schema=False)
     @app.get("/health")
     async def health() -> dict[str, Any]:
+        """Liveness: the gateway answers (whether or not anything is routable yet: see /ready)."""
         return {"status": "ok", "routable": sum(e.routable for e in registry.all())}
+
+    @app.head("/ready", include_in_schema=False)
+    @app.get("/ready")
+    async def ready() -> JSONResponse:
+        """Readiness: 200 once every planned model has a routable instance, else 503 naming those that have none
+        (or saying no plan is in force yet), with Retry-After."""
+        planned, waiting = registry.planned_models(), gw.not_ready()
+        if planned and not waiting:
+            return JSONResponse({"status": "ready", "models": planned})
+        body = {"status": "not_ready", "models": planned, "not_ready": waiting,
+                "reason": f"no routable instance yet for {', '.join(waiting)}" if waiting else "no plan in force yet"}
+        return JSONResponse(body, 503, headers={"Retry-After": str(gw.config.retry_after_s)})
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -174,13 +189,13 @@ def create_gateway_app(
             gw.requests.labels("", "too_long").inc()
             return too_long
         model = body["model"]
-        if model not in registry.models():
+        if model not in registry.models() and model not in registry.planned_models():
             gw.requests.labels(UNKNOWN_MODEL, "unknown_model").inc()
             msg = f"The model '{model}' does not exist; see /v1/models"
             return error_response(404, msg, "model_not_found", "model")
-        if not any(e.routable for e in registry.pool(model, gw.pd_pools(model)[1])):
+        if not gw.routable(model):  # planned, or lost its instances: come back, it is on its way
             gw.requests.labels(model, "no_instance").inc()
-            msg = f"no ready instance for {model}"
+            msg = f"no ready instance for {model} yet (see /ready); retry after {gw.config.retry_after_s} s"
             return error_response(503, msg, "service_unavailable", None, gw.config.retry_after_s)
         if gw.closing:
             return shutting_down(model)

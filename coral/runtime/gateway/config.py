@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import logging
 import math
 import os
 from collections.abc import Iterable
@@ -11,13 +12,15 @@ from functools import cache
 from pathlib import Path
 from typing import Any, Literal
 
-from coral.catalog.loader import CoralInputError, builtin_catalog
+from coral.catalog.loader import CoralInputError, builtin_catalog, read_input_text
 
 CHARS_PER_TOKEN = 4.0
 """Characters per token of text prompts: an estimate (the gateway does not tokenize) for request classes."""
 MAX_CHARS_PER_TOKEN = 16.0
 """Characters per token no tokenizer exceeds on ordinary text: prompts refused as longer than the context are
 longer at this rate (a lower bound on their tokens), so no prompt that fits is refused."""
+
+log = logging.getLogger("coral.secrets")
 
 
 def prompt_tokens(body: dict[str, Any], chars_per_token: float = CHARS_PER_TOKEN) -> float:
@@ -53,16 +56,16 @@ def key_digest(key: str) -> str:
 
 
 def load_secrets(env_var: str, path: Path | None = None) -> list[str]:
-    """Secrets from `path` (one a line, `#` comments) and the comma-separated env var `env_var`. Error
-    messages name the file or variable, never a secret."""
+    """Secrets from `path` (one a line, `#` comments; read as every input file is, `read_input_text`; a file
+    others than its owner may read or write is read with a warning) and the comma-separated env var `env_var`.
+    Error messages name the file or variable, never a secret."""
     found = [k.strip() for k in os.environ.get(env_var, "").split(",") if k.strip()]
     if path is not None:
-        try:
-            lines = Path(path).read_text().splitlines()
-        except OSError as exc:
-            raise CoralInputError(f"{path}: cannot read ({exc.strerror})") from None
-        except UnicodeDecodeError:
-            raise CoralInputError(f"{path}: not UTF-8 text") from None
+        lines = read_input_text(path).splitlines()
+        mode = Path(path).stat().st_mode
+        if mode & 0o077:
+            log.warning("%s: readable or writable by others than its owner (mode %s): secrets belong in a file only "
+                        "its owner reads; chmod 600 %s", path, oct(mode & 0o777), path)
         found += [ln.strip() for ln in lines if ln.strip() and not ln.lstrip().startswith("#")]
     for k in found:
         if len(k) < 8 or any(c.isspace() for c in k):
@@ -72,7 +75,7 @@ def load_secrets(env_var: str, path: Path | None = None) -> list[str]:
     return found
 
 
-OPEN_PATHS = frozenset({"/health"})
+OPEN_PATHS = frozenset({"/health", "/ready"})
 """Answered without credentials (load-balancer and orchestrator probes)."""
 READ_PATHS = frozenset({"/metrics", "/gateway/state", "/state", "/dashboard", "/dashboard/state.json"})
 ADMIN_PATHS = frozenset({"/replan"})

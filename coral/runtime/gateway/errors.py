@@ -12,6 +12,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from coral.catalog.loader import NotStrictJson, strict_json_loads
 from coral.openai_shapes import InvalidRequest, error_body, error_type
 
 
@@ -49,10 +50,12 @@ def error_response(
 
 
 def parse_json(raw: bytes) -> Any:
-    """The JSON document of a request body; InvalidRequest when it is not JSON (bad UTF-8 too) or nests beyond
-    Python's stack."""
+    """The JSON document of a request body; InvalidRequest when it is not strict JSON (bad UTF-8 too; a number that
+    is not finite or a lone surrogate, naming its field: `strict_json_loads`) or nests beyond Python's stack."""
     try:
-        return json.loads(raw)
+        return strict_json_loads(raw)
+    except NotStrictJson as exc:
+        raise InvalidRequest(f"invalid request: {exc}") from None
     except (ValueError, RecursionError) as exc:
         raise InvalidRequest(f"invalid request: the body is not valid JSON ({type(exc).__name__})") from None
 

@@ -4,12 +4,25 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple, Protocol
 
 from prometheus_client.core import GaugeMetricFamily
 
-if TYPE_CHECKING:
-    from coral.runtime.gateway.upstream import Gateway
+from coral.runtime.registry import Registry
+
+
+class Occupancy(Protocol):
+    """What the scrape-time gauges read of the gateway (`upstream.Gateway`): its endpoints and its admission
+    counts."""
+
+    @property
+    def registry(self) -> Registry: ...
+
+    @property
+    def waiting(self) -> int: ...
+
+    @property
+    def active(self) -> int: ...
 
 
 class Answer(NamedTuple):
@@ -78,7 +91,7 @@ def _carries_text(event: bytes) -> bool:
 class InflightCollector:
     """Scrape-time gauges read from the registry, so removed instances vanish and counts never go stale."""
 
-    def __init__(self, gw: Gateway) -> None:
+    def __init__(self, gw: Occupancy) -> None:
         self.gw = gw
 
     def collect(self) -> Iterable[GaugeMetricFamily]:
@@ -96,8 +109,6 @@ class InflightCollector:
         active = GaugeMetricFamily("coral_gateway_active", "admitted requests being served")
         active.add_metric([], self.gw.active)
         return [inflight, ready, queue, active]
-
-
 
 
 def pct(sorted_vals: Sequence[float], q: float) -> float:

@@ -397,6 +397,14 @@ class Gateway:
             self.registry.release(ep, ok)
             self.upstream.labels(ep.id, ep.phase, "ok" if ok else "error").inc()
 
+    def routable(self, model: str) -> bool:
+        """Whether a request for `model` has an instance to go to (in the pool answering the client: `pd_pools`)."""
+        return any(e.routable for e in self.registry.pool(model, self.pd_pools(model)[1]))
+
+    def not_ready(self) -> list[str]:
+        """The planned models (`Registry.planned_models`) no request can be routed for yet."""
+        return [m for m in self.registry.planned_models() if not self.routable(m)]
+
     def pd_pools(self, model: str) -> tuple[bool, str]:
         """(prefill first?, phase answering the client) for a model: its decode pool after a prefill call when it
         has both; its prefill pool alone when no decode instance is routable but a prefill one is (a lost decode
