@@ -202,7 +202,7 @@ def test_run_search_status_names_the_round_and_the_request_set() -> None:
     fake = Plan.model_construct(cost_per_hour=57.62)
     watch(fake, 10, 1.0)
     assert shown[-1].startswith("coral round 2: simulating the $57.62/h plan on request set 10")
-    watch.show("confirmed 3 parts of 4 looked at on 8 fresh tuning windows; certifying the $57.62/h plan on 20 "
+    watch.show("confirmed 3 parts of 4 looked at on 16 fresh windows; certifying the $57.62/h plan on 20 "
                "held-out windows")
     watch.many(fake, [1000, 1001], 0.02)
     assert shown[-1].startswith("coral certification: simulating the $57.62/h plan on 2 request sets")

@@ -42,7 +42,7 @@ MISSED_EXIT_CODE = 3
 #: whose rounds a search's plan came from (`coral.planning.search_plan`'s trial labels), in words
 TRIALS = {"subset": "homo-ilp's rounds", "planner": "its own rounds", "variant 1": "its rounds pricing slack",
           "composed": "composed of its rounds' cheapest passing part per model",
-          "confirmed": "each model's cheapest part that held on fresh tuning windows",
+          "confirmed": "each model's cheapest part that held on fresh windows",
           "refined": "one model refined at a time within what the others leave of scarce nodes"}
 
 

@@ -9,11 +9,11 @@ A model *holds* on windows when that bound is at or above its target and its 5th
 The search's rounds (tuned on a few windows, `coral.planning.slo_search`) only propose candidates. Choosing the
 cheapest of dozens that passed there rewards the luckiest (the optimizer's curse), so:
 1. *Confirm*: each model's passing parts (its instances in some round's plan) are re-simulated alone on
-   `confirm_seeds`, fresh windows of the tuning half of the traces, the same for every part (common random
-   numbers), cheapest first; a part is confirmed when the model holds there. The plan is the cheapest
+   `confirm_seeds`, fresh windows of the whole traces, the same for every part (common random numbers),
+   cheapest first; a part is confirmed when the model holds there. The plan is the cheapest
    composition of confirmed parts within availability (`coral.planning.compose`).
-2. *Certify*: the plan's parts are simulated on `held_out_seeds`, windows of the held-out half of the traces that
-   no step of any search reads. A model whose part does not hold gets its next confirmed part, certified on
+2. *Certify*: the plan's parts are simulated on `held_out_seeds`, windows of the whole traces on seeds that no
+   step of any search reads. A model whose part does not hold gets its next confirmed part, certified on
    fresh held-out windows; each of the `looks` looks tests at (1 − confidence) / looks, so the chance that a
    model below its target is certified stays at most 1 − confidence over all looks (Bonferroni).
 A model is reported as passing only on its certificate."""
@@ -87,9 +87,6 @@ class Certification:
     plan: Plan
     parts: list[Part]
     stats: dict[str, WindowStats]  # per model: its certificate (or its last look's windows when none held)
-    certified: dict[str, bool]
-    confirmed: dict[str, int]  # per model: parts confirmed
-    looked: dict[str, int]  # per model: parts confirmed or rejected
     windows: int = 0  # request sets simulated (a part alone counts as one)
     wall_s: float = 0.0
     notes: list[str] = field(default_factory=list)
@@ -158,10 +155,10 @@ def certify(options: Mapping[str, Sequence[Part]], fallback: Sequence[Part], tar
         chosen = list(fallback)
         short = [m for m in target if not confirmed.get(m)]
         notes.append("confirmation: " + (f"no part of {', '.join(short)} held on the {len(confirm_seeds)} fresh "
-                                         "tuning windows" if short else "the confirmed parts do not fit the "
+                                         "windows" if short else "the confirmed parts do not fit the "
                                          "availability together") + "; the search's own plan is certified")
     say(f"confirmed {sum(len(v) for v in confirmed.values())} parts of {sum(looked.values())} looked at on "
-        f"{len(confirm_seeds)} fresh tuning windows; certifying the ${sum(p.cost_per_hour for p in chosen):,.2f}/h "
+        f"{len(confirm_seeds)} fresh windows; certifying the ${sum(p.cost_per_hour for p in chosen):,.2f}/h "
         f"plan on {len(held_out_seeds)} held-out windows")
     stats: dict[str, WindowStats] = {}
     certified: dict[str, bool] = {}
@@ -186,5 +183,4 @@ def certify(options: Mapping[str, Sequence[Part]], fallback: Sequence[Part], tar
             f"confirmed part on {len(seeds)} fresh held-out windows")
         chosen = nxt
     plan = composed_plan(chosen)
-    return Certification(plan, list(chosen), stats, certified, {m: len(v) for m, v in confirmed.items()}, looked,
-                         windows.count, time.perf_counter() - t0, notes)
+    return Certification(plan, list(chosen), stats, windows.count, time.perf_counter() - t0, notes)

@@ -11,7 +11,7 @@ the simulator in the loop, a choice that does not reward luck, and a verdict on 
 3. *Parts*. A model's attainment depends on its own instances only, so the cheapest passing part per model from
    any rounds is composed (`coral.planning.compose`), and where models compete for scarce nodes each is refined
    alone within what the others leave.
-4. *Choice and verdict* (`coral.planning.certify`): the passing parts are confirmed on fresh tuning windows
+4. *Choice and verdict* (`coral.planning.certify`): the passing parts are confirmed on fresh windows
    (common to all), the cheapest confirmed composition is certified on held-out windows, and a model passes only
    on its certificate. A failing verdict says why: requests too long even served alone (the ceiling), capacity
    capped by availability, or a budget that ran out.
