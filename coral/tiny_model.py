@@ -10,8 +10,10 @@ deterministic.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import random
+import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -33,6 +35,7 @@ _WORDS = (  # the corpus vocabulary, split at use
 CAUSAL_LM = {"llama": "LlamaForCausalLM", "phi3": "Phi3ForCausalLM", "qwen3": "Qwen3ForCausalLM",
              "qwen3_moe": "Qwen3MoeForCausalLM", "gpt_oss": "GptOssForCausalLM"}  # model_type -> model class
 ARCHITECTURES = tuple(CAUSAL_LM)
+_WRITING = threading.Lock()  # weights come from torch's global generator: one writer at a time in a process
 
 
 @dataclass(frozen=True)
@@ -127,11 +130,29 @@ def make_tiny(arch: str, out_dir: str | Path, spec: TinySpec | None = None, weig
     if arch not in ARCHITECTURES:
         raise ValueError(f"architecture {arch!r}: the tiny models are {', '.join(ARCHITECTURES)}")
     out = Path(out_dir)
-    stamp = out / "coral_tiny_spec.json"
     wanted = {**asdict(spec), "weights": weights, "architecture": arch}
-    if stamp.exists() and json.loads(stamp.read_text()) == wanted:
-        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Callers race (a controller starting instances while a test loads the reference): threads and processes
+    # wait for the one writer, then find its stamp, written last.
+    with _WRITING, open(out.parent / f".{out.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not _stamped(out, wanted):
+            _write(arch, out, spec, weights)
+            (out / STAMP).write_text(json.dumps(wanted))
+    return out
+
+
+STAMP = "coral_tiny_spec.json"
+
+
+def _stamped(out: Path, wanted: dict[str, Any]) -> bool:
+    stamp = out / STAMP
+    return stamp.exists() and json.loads(stamp.read_text()) == wanted
+
+
+def _write(arch: str, out: Path, spec: TinySpec, weights: bool) -> None:
     out.mkdir(parents=True, exist_ok=True)
+    (out / STAMP).unlink(missing_ok=True)
     vocab = _train_tokenizer(spec, out)
     if vocab > spec.vocab_size:
         raise ValueError(f"vocab_size: the tokenizer has {vocab} entries, more than the model's {spec.vocab_size}")
@@ -144,12 +165,11 @@ def make_tiny(arch: str, out_dir: str | Path, spec: TinySpec | None = None, weig
                                   "pad_token_id": tok.pad_token_id})
     config.architectures = [CAUSAL_LM[arch]]
     if weights:
-        torch.manual_seed(spec.seed)
-        AutoModelForCausalLM.from_config(config).save_pretrained(out, safe_serialization=True)
+        with torch.random.fork_rng(devices=[]):  # the caller's generator is left as it was
+            torch.manual_seed(spec.seed)
+            AutoModelForCausalLM.from_config(config).save_pretrained(out, safe_serialization=True)
     else:
         config.save_pretrained(out)
-    stamp.write_text(json.dumps(wanted))
-    return out
 
 
 def make_tiny_llama(out_dir: str | Path, spec: TinySpec | None = None, weights: bool = True) -> Path:

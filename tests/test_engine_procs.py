@@ -218,3 +218,21 @@ def test_nodes_started_from_the_plan_on_their_machines(tmp_path):
             p.terminate()
         for p in procs:
             p.wait(30)
+
+
+def test_racing_writers_of_one_tiny_model_leave_the_weights_one_writer_makes(tmp_path):
+    """A controller thread and a test thread both asking for the serving model (the Ray cluster test's race): the
+    weights are those a lone call writes, and the callers' torch generator is left as it was."""
+    import torch
+    from safetensors.torch import load_file
+
+    spec = TinyLlamaSpec(num_hidden_layers=2, initializer_range=0.25)
+    alone = load_file(make_tiny_llama(tmp_path / "alone", spec) / "model.safetensors")
+    torch.manual_seed(123)
+    before = torch.rand(4)
+    torch.manual_seed(123)
+    with ThreadPoolExecutor(3) as pool:
+        dirs = list(pool.map(lambda _: make_tiny_llama(tmp_path / "raced", spec), range(3)))
+    assert torch.equal(torch.rand(4), before)
+    raced = load_file(dirs[0] / "model.safetensors")
+    assert raced.keys() == alone.keys() and all(torch.equal(raced[k], alone[k]) for k in alone)
