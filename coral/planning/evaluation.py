@@ -11,8 +11,10 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
 from coral.allocation.plan import Plan
-from coral.catalog.loader import Catalog
+from coral.catalog.loader import Catalog, builtin_catalog
 from coral.catalog.schema import Scenario
+from coral.perf.roofline import RooflineModel
+from coral.simulation.kernels import KernelCache
 from coral.simulation.run import simulate
 from coral.workload.traces import RequestSet, thinned, workload_for
 
@@ -79,6 +81,7 @@ class SimulatorEvaluator:
         self.token = uuid.uuid4().hex  # names this evaluator's workloads in the worker processes
         self.workloads: dict[int, dict[str, RequestSet]] = {}
         self.seen: dict[tuple[str, int, float], dict[str, Attainment]] = {}
+        self.kernels: KernelCache | None = None  # step-time tables, made once for every plan this evaluates
 
     @staticmethod
     def _key(plan: Plan, seed: int, share: float) -> tuple[str, int, float]:
@@ -92,7 +95,10 @@ class SimulatorEvaluator:
             self.workloads[seed] = workload_for(self.scenario, self.duration_s, seed,
                                                 part=None if seed in self.whole else "tune")
         requests = self.workloads[seed] if share >= 1 else thinned(self.workloads[seed], share, seed)
-        sim = simulate(plan, self.scenario, requests, duration_s=self.duration_s, seed=seed, catalog=self.catalog)
+        if self.kernels is None:
+            self.kernels = KernelCache(self.scenario, self.catalog or builtin_catalog(), RooflineModel())
+        sim = simulate(plan, self.scenario, requests, duration_s=self.duration_s, seed=seed, catalog=self.catalog,
+                       kernels=self.kernels)
         self.seen[key] = {m.model: Attainment(m.slo_attainment, m.ttft_attainment, m.tpot_attainment, m.requests)
                           for m in sim.models}
         return self.seen[key]

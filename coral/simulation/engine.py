@@ -303,6 +303,21 @@ class Trace:
     failed: int = 0  # requests lost mid-decode with their instance (never finished)
 
 
+@dataclass(frozen=True)
+class Record:
+    """Per request, what a run recorded: first token, decode admission and finish times (NaN: never), times
+    finished (0 or 1), shed at arrival, and its prefill and decode instance (index into `Trace.instances`, -1:
+    none)."""
+
+    first_token_s: np.ndarray
+    decode_admit_s: np.ndarray
+    done_s: np.ndarray
+    done_count: np.ndarray
+    refused: np.ndarray
+    prefill_instance: np.ndarray
+    decode_instance: np.ndarray
+
+
 Counts = dict[str, dict[str, int]]
 
 
@@ -381,12 +396,7 @@ class Engine:
         self.horizon = horizon_s
         n = len(arrival)
         self.n = n
-        self.arr = arrival.tolist()
-        self.mod = model_of.tolist()
-        self.model_of = model_of
-        self.inp_array = input_tokens
-        self.inp = input_tokens.tolist()
-        self.out = output_tokens.tolist()
+        self.arrival, self.model_of, self.inp_array, self.out_array = arrival, model_of, input_tokens, output_tokens
         kv_in = np.zeros(n)
         kv_res = np.zeros(n)
         for i, m in enumerate(models):
@@ -396,9 +406,29 @@ class Engine:
                 kv_in[sel] = kernels.attended(m, input_tokens[sel]) * kb
                 grown = output_tokens[sel] if kv_reserve == "max" else output_tokens[sel] / 2
                 kv_res[sel] = kernels.attended(m, input_tokens[sel] + grown)
-        self.kv_in = kv_in.tolist()  # KV bytes per layer of the prompt
-        self.kv_res = kv_res.tolist()  # KV tokens per layer a request is charged while decoding
-        self.d_ctx = (input_tokens + output_tokens / 2).tolist()  # mean context over its decode
+        self.kv_in_array = kv_in  # KV bytes per layer of the prompt
+        self.kv_res_array = kv_res  # KV tokens per layer a request is charged while decoding
+        self.d_ctx_array = input_tokens + output_tokens / 2  # mean context over its decode
+        self.lists_made = False  # the Python loop's per-request state (`make_lists`)
+        self.heap: list[tuple[float, int, int, Any]] = []
+        self.seq = 0
+        self.routers: dict[tuple[str, str], list[Instance]] = {}
+        self.strides: dict[tuple[str, str, str | None], Stride[Instance]] = {}  # per class, built when first used
+        self.classes: dict[str, list[PlanClass]] = {}
+        self.req_class: list[str | None] = [None] * n
+        self.backlog: dict[tuple[str, str], list[int]] = {}
+        self.trace = Trace()
+
+    def make_lists(self) -> None:
+        """The per-request state of the Python loop, as lists (what it indexes one request at a time)."""
+        n = self.n
+        self.arr = self.arrival.tolist()
+        self.mod = self.model_of.tolist()
+        self.inp = self.inp_array.tolist()
+        self.out = self.out_array.tolist()
+        self.kv_in = self.kv_in_array.tolist()
+        self.kv_res = self.kv_res_array.tolist()
+        self.d_ctx = self.d_ctx_array.tolist()
         self.t_first = [float("nan")] * n
         self.t_done = [float("nan")] * n
         self.t_admit = [float("nan")] * n  # decode admission (KV room found, transfer starts)
@@ -409,14 +439,18 @@ class Engine:
         self.p_left = [0] * n  # prompt tokens not yet through the last prefill stage
         self.d_inst: list[Instance | None] = [None] * n  # decode instance, chosen when prefill ends
         self.d_path: list[Path | None] = [None] * n  # its nodes, chosen at admission
-        self.heap: list[tuple[float, int, int, Any]] = []
-        self.seq = 0
-        self.routers: dict[tuple[str, str], list[Instance]] = {}
-        self.strides: dict[tuple[str, str, str | None], Stride[Instance]] = {}  # per class, built when first used
-        self.classes: dict[str, list[PlanClass]] = {}
-        self.req_class: list[str | None] = [None] * n
-        self.backlog: dict[tuple[str, str], list[int]] = {}
-        self.trace = Trace()
+        self.lists_made = True
+
+    def record(self) -> Record:
+        """What the Python loop recorded, per request."""
+        index = {id(inst): k for k, inst in enumerate(self.trace.instances)}
+        return Record(
+            first_token_s=np.asarray(self.t_first), done_s=np.asarray(self.t_done),
+            decode_admit_s=np.asarray(self.t_admit), done_count=np.asarray(self.done_count, dtype=np.int64),
+            refused=np.asarray(self.refused, dtype=bool),
+            prefill_instance=np.array([index[id(i)] if i is not None else -1 for i in self.p_inst], dtype=np.int64),
+            decode_instance=np.array([index[id(i)] if i is not None else -1 for i in self.d_inst], dtype=np.int64),
+        )
 
     # --- plans ------------------------------------------------------------------------------------------
     def push(self, t: float, kind: int, obj: Any) -> None:
@@ -783,11 +817,36 @@ class Engine:
     ) -> Trace:
         """Serve until the horizon: arrivals, engine events, re-plans every epoch and, at each time in `changes`,
         the availability in force (nodes it no longer has are lost)."""
+        self.start(first_plan, changes)
+        return self.serve(first_plan, replan, epoch_s, duration_s, demand_of)
+
+    def start(self, first_plan: Plan, changes: Sequence[float] = (), lists: bool = True) -> None:
+        """Put `first_plan` in force at time 0 (every instance ready) and schedule the availability changes.
+        `lists`: make the Python loop's state now (else `serve` does; an availability makes it at once)."""
+        if lists or self.available is not None:
+            self.make_lists()
         self.apply_plan(first_plan, 0.0, initial=True)
         self.enforce_availability(0.0)
         for at in changes:
             if at > 0:
                 self.push(at, _K_AVAIL, at)
+
+    def stays_put(self) -> bool:
+        """Whether, once started with no re-planner and no scheduled change, nothing but requests moves: every
+        instance serving, none shed (what `coral.simulation.compiled` runs)."""
+        return not self.heap and not self.shedding and all(i.state == READY for i in self.trace.instances)
+
+    def serve(
+        self,
+        first_plan: Plan,
+        replan: Replanner | None,
+        epoch_s: float,
+        duration_s: float,
+        demand_of: Callable[[int], ObservedDemand],
+    ) -> Trace:
+        """The Python event loop, from a started engine to the horizon (see `run`)."""
+        if not self.lists_made:
+            self.make_lists()
         n_epochs = max(1, int(np.ceil(duration_s / epoch_s - 1e-9)))
         for e in range(1, n_epochs if replan is not None else 1):
             self.push(e * epoch_s, _K_EPOCH, e)

@@ -11,7 +11,7 @@ from typing import Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
-from coral.simulation.engine import Engine, Instance, Trace, nodes_beyond
+from coral.simulation.engine import Engine, Instance, Record, Trace, nodes_beyond
 
 CDF_POINTS = 101
 
@@ -36,10 +36,10 @@ class LatencyStats(_Result):
         v = values_s[np.isfinite(values_s)] * 1e3
         if not len(v):
             return cls()
-        q = np.percentile(v, np.linspace(0, 100, CDF_POINTS))
+        q = np.percentile(v, [*np.linspace(0, 100, CDF_POINTS), 50, 90, 99])
         return cls(
-            count=len(v), mean=float(v.mean()), p50=float(np.percentile(v, 50)), p90=float(np.percentile(v, 90)),
-            p99=float(np.percentile(v, 99)), max=float(v.max()), cdf=[round(float(x), 4) for x in q],
+            count=len(v), mean=float(v.mean()), p50=float(q[-3]), p90=float(q[-2]), p99=float(q[-1]),
+            max=float(v.max()), cdf=[round(float(x), 4) for x in q[:-3]],
         )
 
 
@@ -290,6 +290,7 @@ def _utilisation(instances: list[Instance], end: float, model: str | None, phase
 def collect(
     engine: Engine,
     trace: Trace,
+    record: Record,
     *,
     scenario: str,
     router: str,
@@ -302,15 +303,12 @@ def collect(
     available: Callable[[float], dict[str, dict[str, int]]] | None = None,
 ) -> SimResult:
     """Turn one run's raw record into a SimResult. `*_slo_s` are per model index."""
-    arr = np.asarray(engine.arr)
-    mod = np.asarray(engine.mod, dtype=np.int64)
-    out = np.asarray(engine.out, dtype=np.int64)
-    t_first = np.asarray(engine.t_first)
-    t_done = np.asarray(engine.t_done)
-    done = np.asarray(engine.done_count, dtype=np.int64) > 0
-    refused = np.asarray(engine.refused, dtype=bool)
+    arr, mod, out = engine.arrival, engine.model_of, engine.out_array
+    t_first, t_done = record.first_token_s, record.done_s
+    done = record.done_count > 0
+    refused = record.refused
     ttft = t_first - arr
-    wait = np.asarray(engine.t_admit) - t_first
+    wait = record.decode_admit_s - t_first
     with np.errstate(invalid="ignore", divide="ignore"):
         tpot = np.where(out > 1, (t_done - t_first) / np.maximum(out - 1, 1), 0.0)
     tpot = np.where(done, tpot, np.nan)
@@ -363,9 +361,7 @@ def collect(
             over_availability=_over(insts, a, available(a)) if available is not None else [],
         ))
     total_cost = _cost_integral(insts, 0.0, duration_s)
-    index = {id(inst): k for k, inst in enumerate(insts)}
-    p_idx = np.array([index[id(i)] if i is not None else -1 for i in engine.p_inst], dtype=np.int64)
-    d_idx = np.array([index[id(i)] if i is not None else -1 for i in engine.d_inst], dtype=np.int64)
+    p_idx, d_idx = record.prefill_instance, record.decode_instance
     served = np.bincount(np.concatenate([p_idx[p_idx >= 0], d_idx[d_idx >= 0]]), minlength=len(insts))
     records = [
         InstanceRecord(
@@ -385,8 +381,8 @@ def collect(
         instances=records,
     )
     result._per_request = {
-        "arrival_s": arr, "model": mod, "input_tokens": np.asarray(engine.inp), "output_tokens": out,
-        "first_token_s": t_first, "decode_admit_s": np.asarray(engine.t_admit), "done_s": t_done, "done_count": np.asarray(engine.done_count),
+        "arrival_s": arr, "model": mod, "input_tokens": engine.inp_array, "output_tokens": out,
+        "first_token_s": t_first, "decode_admit_s": record.decode_admit_s, "done_s": t_done, "done_count": record.done_count,
         "ttft_s": ttft, "tpot_s": tpot, "good": good, "refused": refused, "prefill_instance": p_idx, "decode_instance": d_idx,
     }
     return result

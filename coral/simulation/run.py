@@ -18,6 +18,7 @@ from coral.catalog.schema import Scenario
 from coral.catalog.suggest import did_you_mean
 from coral.perf.roofline import RooflineModel
 from coral.simulation.availability import AvailabilitySchedule, counts_in_force
+from coral.simulation.compiled import serve
 from coral.simulation.engine import Counts, Engine, ModelDemand, ObservedDemand, ObservedLatency, Replanner
 from coral.simulation.kernels import KernelCache
 from coral.simulation.metrics import SimResult, collect
@@ -75,6 +76,8 @@ def simulate(
     kv_reserve: Literal["mean", "max"] = "mean",
     interval_s: float = 60.0,
     shed: Literal["plan", "always", "off"] = "plan",
+    loop: Literal["compiled", "python"] = "compiled",
+    kernels: KernelCache | None = None,
 ) -> SimResult:
     """Serve `requests` (default: the scenario's traces, seeded) for `duration_s` with a fixed plan, or with
     `replan(epoch, observed_demand, running_plan) -> Plan` called at the start of every epoch (epoch 0 sees
@@ -92,7 +95,11 @@ def simulate(
     and billing, requests not yet decoding are routed again, decoding ones fail), and an instance a re-plan removes
     is handed over only while its nodes and its replacements' fit the count in force. `shed`: requests beyond the
     capacity serving their model are refused at arrival, as the gateway refuses them (`coral.allocation.shedding`):
-    while the plan in force serves only a share of some model's demand ("plan"), always, or never ("off")."""
+    while the plan in force serves only a share of some model's demand ("plan"), always, or never ("off").
+    `loop`: a plan that stays put (no re-planner, no availability step, nothing shed) runs in the compiled event
+    loop (`coral.simulation.compiled`); "python" runs the reference loop, which also serves every other run.
+    `kernels`: step-time tables made for this scenario, catalog and perf model, kept across runs of several plans
+    (default: made for this run)."""
     if duration_s <= 0 or interval_s <= 0:
         raise CoralInputError("duration_s and interval_s must be > 0")
     if forecast not in ("previous", "oracle"):
@@ -114,7 +121,10 @@ def simulate(
     out = np.concatenate([r.output_tokens for _, r in parts]) if parts else np.zeros(0, int)
     order = np.lexsort((model_of, arrival))
     arrival, model_of, inp, out = arrival[order], model_of[order], inp[order], out[order]
-    kernels = KernelCache(scenario, catalog, perf)
+    if kernels is None:
+        kernels = KernelCache(scenario, catalog, perf)
+    elif kernels.scenario is not scenario or kernels.catalog is not catalog:
+        raise ValueError("kernels: made for another scenario or catalog")
     available: Callable[[float], Counts] | None = None  # node counts in force at a time
     if availability is not None:
         available = partial(counts_in_force, availability, scenario_counts(scenario, catalog), scenario)
@@ -189,10 +199,16 @@ def simulate(
         check_plan(plan, scenario)
         return plan
 
-    trace = engine.run(first, checked if replan else None, epoch_s, duration_s, demand_of,
-                       [s.at_s for s in availability.steps] if availability else [])
+    changes = [s.at_s for s in availability.steps] if availability else []
+    compiled = loop == "compiled" and replan is None and not changes
+    engine.start(first, changes, lists=not compiled)
+    if compiled and engine.stays_put():
+        trace, record = serve(engine, duration_s)
+    else:
+        trace = engine.serve(first, checked if replan else None, epoch_s, duration_s, demand_of)
+        record = engine.record()
     result = collect(
-        engine, trace, scenario=scenario.name, router=router, seed=seed, duration_s=duration_s, epoch_s=epoch_s,
+        engine, trace, record, scenario=scenario.name, router=router, seed=seed, duration_s=duration_s, epoch_s=epoch_s,
         startup_delay_s=startup_delay_s,
         ttft_slo_s=np.array([kernels.models[m].ttft_slo_s for m in names]),
         tpot_slo_s=np.array([kernels.models[m].tpot_slo_s for m in names]),
