@@ -133,22 +133,46 @@ def confirmed_parts(parts: Sequence[Part], check: Callable[[Part], bool], first:
     return ([rest[hi]] if hi == len(rest) - 1 else [rest[hi], rest[-1]]), looked
 
 
+#: more parts of a model: (model, the parts of the plan so far, one per model) -> its parts planned with more
+#: headroom than before (each call a step further), empty when there are no more
+Escalation = Callable[[str, Sequence[Part]], Sequence[Part]]
+
+
 def certify(options: Mapping[str, Sequence[Part]], fallback: Sequence[Part], target: Mapping[str, float],
             limits: NodeLimits, evaluate: Evaluator, confirm_seeds: Sequence[int], held_out_seeds: Sequence[int],
-            rule: Rule, say: Progress) -> Certification:
+            rule: Rule, say: Progress, escalate: Escalation | None = None) -> Certification:
     """Confirm each model's candidate `options` on `confirm_seeds`, compose the cheapest confirmed plan within
     `limits` (else `fallback`, one part per model: the search's own choice) and certify it on `held_out_seeds`
-    (module doc)."""
+    (module doc). A model none of whose parts is left to try (none confirmed, or each failed a look) gets parts
+    from `escalate`, confirmed the same way, until one is confirmed or it has no more."""
     t0 = time.perf_counter()
     windows = _Windows(evaluate)
     confirmed: dict[str, list[Part]] = {}
     looked: dict[str, int] = {}
-    for m in target:
-        def check(p: Part, m: str = m) -> bool:
-            return holds(summarize(windows.of(p, confirm_seeds), confirm_seeds, rule.per_look), target[m], rule.tail)
 
+    def check(p: Part) -> bool:
+        return holds(summarize(windows.of(p, confirm_seeds), confirm_seeds, rule.per_look), target[p.model],
+                     rule.tail)
+
+    def escalated(m: str, plan: Sequence[Part]) -> list[Part]:
+        """Confirmed parts of `m` from `escalate`'s steps (the first step that gives some)."""
+        while escalate is not None:
+            more = list(escalate(m, plan))
+            if not more:
+                break
+            found, n = confirmed_parts(more, check) if confirm_seeds else (more, 0)
+            looked[m] = looked.get(m, 0) + n
+            if found:
+                return found
+        return []
+
+    for m in target:
         confirmed[m], looked[m] = confirmed_parts(options.get(m, []), check) if confirm_seeds else (
             list(options.get(m, [])), 0)
+    for m in target:
+        if not confirmed[m]:
+            confirmed[m] = escalated(m, [*(p for p in fallback if p.model != m),
+                                         *(p for p in fallback if p.model == m)])
     notes: list[str] = []
     chosen = cheapest_parts(confirmed, limits) if all(confirmed.values()) else None
     if chosen is None:
@@ -174,9 +198,12 @@ def certify(options: Mapping[str, Sequence[Part]], fallback: Sequence[Part], tar
         if not failed or look + 1 >= rule.looks:
             break
         mine = {p.model: p for p in chosen}
-        nxt = cheapest_parts({m: [mine[m]] if certified.get(m) else [o for o in confirmed.get(m, [])
-                                                                       if o.signature not in tried[m]]
-                              for m in target}, limits)
+        left = {m: [mine[m]] if certified.get(m) else [o for o in confirmed.get(m, []) if o.signature not in tried[m]]
+                for m in target}
+        for m in failed:
+            if not left[m]:
+                left[m] = confirmed[m] = escalated(m, chosen)
+        nxt = cheapest_parts(left, limits)
         if nxt is None:
             break
         say(f"look {look + 2}: {', '.join(failed)} did not hold on look {look + 1}'s windows; certifying the next "

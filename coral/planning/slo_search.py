@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import astuple, dataclass, field
+from dataclasses import astuple, dataclass, field, replace
 
 from coral.allocation.allocator import InfeasibleDemand, allocate
 from coral.allocation.availability import PLENTY
@@ -172,6 +172,9 @@ class _Bracket:
 #: carry it for little (README "Slack priced"; at 0.5 the priced plan still trimmed gpt-oss-20b's slack on core,
 #: `tests/test_latency_rating.py`'s equal-demand test)
 SEARCH_SLACK = SlackPrice(share=0.15, price=0.8)  # the defaults
+ESCALATIONS = 2  # steps of `Escalator` per model
+ESCALATION_ROOM = 0.25  # each step starts its rounds this much more headroom above the failed part's
+ESCALATION_MARGIN = 0.2  # and passes a round only with this much more of the allowed misses to spare
 
 
 def allocator_planner(library: TemplateLibrary, scenario: Scenario, availability: Availability | str | None,
@@ -604,9 +607,12 @@ def search_plan(
     if cfg.held_out_seeds:
         every = [(r, plans[r.index]) for r in rounds if r.index in plans]
         limits = availability_limits(availability) if availability is not None else seen_limits(list(plans.values()))
+        escalate = Escalator(planner, within, table, subset is not None, scenario, cfg, rounds, plans, evaluate, say,
+                             t0, budget)
         cert = certify(passing_parts(every, target, cfg.margin) if passing else {},
                        [part_of(best, m, chosen.index) for m in target], target, limits, evaluate,
-                       cfg.confirm_seeds if passing else (), cfg.held_out_seeds, cfg.rule, say)
+                       cfg.confirm_seeds if passing else (), cfg.held_out_seeds, cfg.rule, say,
+                       escalate if passing else None)
         chosen = _certified_round(cert, rounds, plans, chosen, scenario)
         best = plans[chosen.index]
     best.slo = score(best, scenario, cfg, duration, chosen.attainment, chosen.headroom, cap, evaluate, cert)
@@ -615,6 +621,50 @@ def search_plan(
     if not chosen.passed:
         best.slo.notes.append(missed_words(chosen, target, len(rounds), max_rounds * searched))
     return SearchResult(best, chosen.headroom, rounds, time.perf_counter() - t0, net, chosen.index)
+
+
+class Escalator:
+    """More headroom for a model none of whose parts held (`coral.planning.certify.Escalation`): step k runs
+    `refine_rounds` rounds for that model alone (the other models' parts kept, within what they leave of a
+    table's availability), from the most headroom any of its passing rounds had x (1 + ESCALATION_ROOM x k), where
+    a round passes only with the margin `cfg.margin + ESCALATION_MARGIN x k` (fewer misses to spare); the parts
+    passing so are the step's.
+    Its rounds join the search's (`rounds`, `plans`), trial "escalated"; at most `ESCALATIONS` steps a model."""
+
+    def __init__(self, planner: Planner, within: Callable[[Availability], Sequence[Planner]] | None,
+                 table: Mapping[str, Mapping[str, int]] | None, has_subset: bool, scenario: Scenario,
+                 cfg: SearchSettings, rounds: list[Round], plans: dict[int, Plan], evaluate: Evaluator,
+                 say: Progress, t0: float, budget: float) -> None:
+        self.planner, self.within, self.table, self.main = planner, within, table, int(has_subset)
+        self.scenario, self.cfg, self.rounds, self.plans = scenario, cfg, rounds, plans
+        self.evaluate, self.say, self.t0, self.budget = evaluate, say, t0, budget
+        self.steps: dict[str, int] = {}
+
+    def __call__(self, model: str, parts: Sequence[Part]) -> list[Part]:
+        step = self.steps[model] = self.steps.get(model, 0) + 1
+        if step > ESCALATIONS or time.perf_counter() - self.t0 >= self.budget:
+            return []
+        base = composed_plan(list(parts))
+        planner = self.planner if self.within is None or self.table is None else list(
+            self.within(leftover(self.table, base, model)))[self.main]
+        target = {sm.model: sm.slo_attainment for sm in self.scenario.models}
+        tried = [r for r in self.rounds if r.index in self.plans and r.attainment
+                 and _meets(r.attainment, {model: target[model]}, self.cfg.margin)[model]]
+        room = {k: max([r.headroom.get(k, 1.0) for r in tried], default=1.0) * (1 + ESCALATION_ROOM * step)
+                for k in scenario_traffic(self.scenario) if k[0] == model}
+        start = {**headroom(self.scenario), **room}
+        cfg = replace(self.cfg, margin=self.cfg.margin + ESCALATION_MARGIN * step)
+        self.say(f"{model}: none of its parts held; planning it alone with more headroom (step {step}: from "
+                 f"{max(room.values(), default=1.0):.2f}x its traffic, a round passing with {cfg.margin:.0%} of its "
+                 "allowed misses to spare)")
+        trial = _run_rounds(alone(model, base, planner), self.scenario, cfg, start,
+                            AloneEvaluator(model, base, self.evaluate), self.say, self.t0, cfg.refine_rounds,
+                            self.budget, len(self.rounds), "escalated", models=[model])
+        self.rounds += trial.rounds
+        self.plans.update(trial.plans)
+        found = passing_parts([(r, trial.plans[r.index]) for r in trial.rounds if r.index in trial.plans],
+                              {model: target[model]}, cfg.margin)
+        return found.get(model, [])
 
 
 def _certified_round(cert: Certification, rounds: list[Round], plans: dict[int, Plan], chosen: Round,
