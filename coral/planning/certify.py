@@ -204,6 +204,10 @@ def certify(options: Mapping[str, Sequence[Part]], fallback: Sequence[Part], tar
             if not left[m]:
                 left[m] = confirmed[m] = escalated(m, chosen)
         nxt = cheapest_parts(left, limits)
+        if nxt is None:  # what is left does not fit beside the others: planned within what they leave
+            for m in failed:
+                left[m] = confirmed[m] = escalated(m, chosen)
+            nxt = cheapest_parts(left, limits)
         if nxt is None:
             break
         say(f"look {look + 2}: {', '.join(failed)} did not hold on look {look + 1}'s windows; certifying the next "

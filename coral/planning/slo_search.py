@@ -13,7 +13,7 @@ the simulator in the loop, a choice that does not reward luck, and a verdict on 
    alone within what the others leave.
 4. *Choice and verdict* (`coral.planning.certify`): the passing parts are confirmed on fresh windows
    (common to all), the cheapest confirmed composition is certified on held-out windows, and a model passes only
-   on its certificate. A failing verdict says why: requests too long even served alone (the ceiling), capacity
+   on its certificate; a model with no part left to try is planned again alone with more headroom (`Escalator`). A failing verdict says why: requests too long even served alone (the ceiling), capacity
    capped by availability, or a budget that ran out.
 """
 from __future__ import annotations
@@ -654,7 +654,8 @@ class Escalator:
                 for k in scenario_traffic(self.scenario) if k[0] == model}
         start = {**headroom(self.scenario), **room}
         cfg = replace(self.cfg, margin=self.cfg.margin + ESCALATION_MARGIN * step)
-        self.say(f"{model}: none of its parts held; planning it alone with more headroom (step {step}: from "
+        self.say(f"{model}: no part of it is left that held and fits beside the others' parts; planning it alone "
+                 f"with more headroom (step {step}: from "
                  f"{max(room.values(), default=1.0):.2f}x its traffic, a round passing with {cfg.margin:.0%} of its "
                  "allowed misses to spare)")
         trial = _run_rounds(alone(model, base, planner), self.scenario, cfg, start,
