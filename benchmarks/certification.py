@@ -55,7 +55,8 @@ def main() -> None:
         wall = time.perf_counter() - t0
         slo = plan.slo
         for sm in sc.models:
-            m, goal = sm.model, sm.slo_attainment
+            m = sm.model
+            goal = slo.target.get(m, sm.slo_attainment) if slo is not None else sm.slo_attainment  # the plan's own
             vals = [r[m] for r in per_seed if m in r]
             pooled = sum(a * n for a, n in vals) / max(1, sum(n for _, n in vals))
             worst = min(a for a, _ in vals)

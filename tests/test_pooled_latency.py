@@ -8,10 +8,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from coral.allocation.allocator import UNLIMITED, InfeasibleDemand, Mode, allocate
-from coral.allocation.core import key_rows
 from coral.allocation.demand import DemandKey
 from coral.allocation.latency import ALLOWANCE_SHARE, KeyLatency, key_latency
 from coral.allocation.plan import Plan
+from coral.allocation.rows import key_rows
 from coral.catalog.schema import Scenario, ScenarioModel, TargetUtilization
 from coral.perf.model import Phase
 from coral.templates.library import Stage, Template, TemplateLibrary

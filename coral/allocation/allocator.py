@@ -19,6 +19,7 @@ from coral.allocation.demand import DemandKey, scenario_demand
 from coral.allocation.latency import KeyLatency, LatencyBound, latency_bound, scenario_latency
 from coral.allocation.plan import Plan, PlanClass, SolveReport
 from coral.allocation.reductions import pareto_columns
+from coral.allocation.rows import key_rows
 from coral.catalog.loader import Catalog, CoralInputError, market_catalog
 from coral.catalog.schema import Scenario
 from coral.perf.model import Phase
@@ -184,7 +185,7 @@ def _context(library: TemplateLibrary, scenario: Scenario, demand: Mapping[Deman
     catalog = catalog or market_catalog(scenario)
     keys, dem = _keys_and_demand(scenario, demand)
     for m, p in keys:
-        if dem[keys.index((m, p))] > 0 and not len(core.key_rows(library, m, str(p), False)[0]):
+        if dem[keys.index((m, p))] > 0 and not len(key_rows(library, m, str(p), False)[0]):
             raise CoralInputError(f"demand: the template library has no templates for {m}/{p}")
     if availability is None:
         availability = resolve_availability(scenario, library, catalog)
@@ -200,7 +201,7 @@ def _context(library: TemplateLibrary, scenario: Scenario, demand: Mapping[Deman
     classes: dict[int, KeyClasses] = {}
     for k, (m, p) in enumerate(keys):
         if dem[k] > 0 and m in models:
-            kc = key_classes(library, models[m], p, *core.key_rows(library, m, str(p), False), catalog)
+            kc = key_classes(library, models[m], p, *key_rows(library, m, str(p), False), catalog)
             if kc is not None:
                 classes[k] = kc
     rating = dict(latency) if isinstance(latency, Mapping) else scenario_latency(library, scenario, catalog) \

@@ -190,7 +190,7 @@ _CACHE: dict[int, dict[tuple[object, ...], KeyClasses]] = {}
 def key_classes(library: TemplateLibrary, sm: ScenarioModel, phase: Phase | str, usable: np.ndarray,
                 kept: np.ndarray, catalog: Catalog) -> KeyClasses | None:
     """Classes of one (model, phase), or None when it is planned with one class. `usable`/`kept`: the key's
-    templates and those the scalar reduction keeps (`core.key_rows`). Kept with classes: those plus every
+    templates and those the scalar reduction keeps (`rows.key_rows`). Kept with classes: those plus every
     template undominated under some class's rating. When (dropped × usable) ≤ EXACT_CHECK_PAIRS, a dropped template
     that no single template dominates in every class at once is kept again (exact); above, a template beaten in
     each class by a different sub-multiset stays dropped (a documented approximation: on extended with `auto`

@@ -16,12 +16,12 @@ from coral.allocation.classes import KeyClasses
 from coral.allocation.demand import DemandKey
 from coral.allocation.plan import ModelServing, Plan, PlanClass, PlanInstance, SolveReport
 from coral.allocation.reductions import pareto_columns
+from coral.allocation.rows import key_rows
 from coral.allocation.solver import Problem
 from coral.catalog.loader import Catalog, CoralInputError
 from coral.catalog.schema import Scenario
 from coral.catalog.suggest import did_you_mean
 from coral.perf.model import Phase
-from coral.templates.dominance import undominated
 from coral.templates.library import TemplateLibrary
 
 if TYPE_CHECKING:
@@ -128,33 +128,6 @@ def running_counts(running: Plan | Running | None, library: TemplateLibrary) -> 
                                       "of this library (re-plan with the library it was made from)")
         return out
     return {(int(t), str(r)): int(n) for (t, r), n in running.items() if n > 0}
-
-
-def key_rows(library: TemplateLibrary, model: str, phase: str, homogeneous: bool) -> tuple[np.ndarray, np.ndarray]:
-    """(usable rows, undominated rows) of one (model, phase): positive throughput, single-config when
-    `homogeneous` (the sub-multisets of a single-config template are single-config, so the library's dominance
-    flags hold among them too). Memoised per library object: neither depends on demand, prices or availability."""
-    def make() -> tuple[np.ndarray, np.ndarray]:
-        rows = library.select(model, phase)
-        rows = rows[library.throughput[rows] > 0]
-        if homogeneous:
-            rows = rows[(library.counts[rows] > 0).sum(axis=1) == 1]
-        return rows, rows[~library.dominated[rows]]
-
-    return library.memo(("key_rows", model, phase, homogeneous), make)
-
-
-def restricted_rows(library: TemplateLibrary, usable: np.ndarray, kept: np.ndarray, allowed: np.ndarray
-                    ) -> tuple[np.ndarray, np.ndarray]:
-    """(usable, undominated) rows of one key restricted to `allowed` template ids; the undominated set is
-    recomputed among them when the restriction removed some (a template dominated only by a removed one is
-    undominated again). Memoised per library object and row sets (a re-plan asks for the same ones)."""
-    ok = np.isin(usable, allowed)
-    if ok.all():
-        return usable, kept
-    rows = usable[ok]
-    return library.memo(("restricted_rows", rows.tobytes()), lambda: (
-        rows, np.sort(rows[undominated(library.counts[rows], library.throughput[rows])])))
 
 
 def make_columns(

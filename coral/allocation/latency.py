@@ -52,8 +52,8 @@ from typing import Any, cast
 import numpy as np
 
 from coral.allocation.classes import library_perf
-from coral.allocation.core import key_rows, restricted_rows
 from coral.allocation.demand import model_key, tuning_requests
+from coral.allocation.rows import key_rows, restricted_rows
 from coral.catalog.loader import Catalog, NodeConfig
 from coral.catalog.schema import Scenario, ScenarioModel
 from coral.perf import latency as latency_model
