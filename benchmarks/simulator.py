@@ -1,7 +1,8 @@
 """Simulator speed: simulated requests per wall-clock second of the compiled event loop and of the Python loop
 it replaced (the reference), side by side on one plan and one request set, with the paper's WRR router and the
 least-outstanding router, plus a whole simulated day (compiled only; `--day-python` runs the reference too).
-Each row checks that both loops give the same result (every model's SLO attainment, cost, finished requests).
+Each row checks that both loops give the same result (every model's SLO attainment, cost, finished requests,
+every request's finishing time) and records the process's peak memory so far (request sets included).
 
     .venv/bin/python benchmarks/simulator.py [--scenario extended] [--duration 1800] [--day 86400] [--plan PLAN]
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import platform
+import resource
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +26,7 @@ from rich.table import Table
 from coral.allocation.allocator import allocate
 from coral.allocation.plan import Plan
 from coral.catalog.loader import load_scenario
+from coral.catalog.schema import MAX_RUN_REQUESTS
 from coral.simulation import SimResult, simulate, workload_for
 from coral.simulation.stand_in import greedy_plan
 from coral.templates.store import load_library
@@ -42,7 +45,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--scenario", default="extended")
     ap.add_argument("--duration", type=float, default=1800.0)
-    ap.add_argument("--day", type=float, default=86400.0, help="simulated seconds of the long run (0: none)")
+    ap.add_argument("--day", type=float, default=None,
+                    help="simulated seconds of the long run (default: as long as a run may be, about 10 million "
+                         "requests; 0: none)")
     ap.add_argument("--day-python", action="store_true", help="time the reference loop on the long run too")
     ap.add_argument("--plan", type=Path, default=None)
     ap.add_argument("--greedy", action="store_true", help="greedy stand-in plan instead of the allocator's")
@@ -58,8 +63,9 @@ def main() -> None:
     simulate(plan, sc, workload_for(sc, 60.0, seed=0), duration_s=60.0)  # numba's first compile, untimed
     rows = []
     runs = [(args.duration, router, True) for router in ("wrr", "lor")]
-    if args.day:
-        runs.append((args.day, "wrr", args.day_python))
+    day = args.day if args.day is not None else 0.99 * MAX_RUN_REQUESTS / sum(m.request_rate for m in sc.models)
+    if day:
+        runs.append((round(day), "wrr", args.day_python))
     for duration, router, reference in runs:
         requests = workload_for(sc, duration, seed=0)
         res = {loop: simulate(plan, sc, requests, duration_s=duration, seed=0, router=router, loop=loop)
@@ -72,6 +78,7 @@ def main() -> None:
             "compiled_req_per_s": round(fast.requests_per_wall_s),
             "same_result": _same(ref, fast) if ref else None,
             "slo_attain": round(fast.slo_attainment, 4), "cost_per_h": round(fast.mean_cost_per_hour, 2),
+            "peak_rss_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),  # so far (KiB)
         })
     table = Table(title=f"Simulator: {sc.name}, {len(plan.instances)} instances ({plan.method} plan, "
                         f"{plan.cost_per_hour:.2f} $/h); compiled loop against the Python reference")

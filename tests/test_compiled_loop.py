@@ -112,7 +112,7 @@ def test_pools_that_run_out_grow_and_the_run_is_the_same(pool: int, monkeypatch:
         return loop(*args)
 
     monkeypatch.setattr(compiled_loop, "_loop", counted)
-    monkeypatch.setattr("coral.simulation.run.serve", lambda engine, duration_s: serve(engine, duration_s, pool))
+    monkeypatch.setattr(compiled_loop, "serve", lambda engine, duration_s: serve(engine, duration_s, pool))
     assert_same(random_plan(rng), random_traffic(rng, 300), 20.0)
     assert len(runs) > 3  # 1 or 7 entries, doubled until a few hundred requests' chunks and events fit
 

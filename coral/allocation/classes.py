@@ -33,9 +33,8 @@ from coral.catalog.loader import Catalog, CoralInputError
 from coral.catalog.schema import ScenarioModel
 from coral.perf.model import Phase, Workload
 from coral.perf.roofline import PerfParams, RooflineModel
-from coral.templates.build import bottleneck
 from coral.templates.dominance import undominated
-from coral.templates.library import TemplateLibrary
+from coral.templates.library import TemplateLibrary, bottleneck
 from coral.workload.traces import SHIPPED_TRACES, load_trace, shipped_path
 
 EXACT_CHECK_PAIRS = 2_000_000  # (dropped × usable) templates up to which dropping is checked exactly

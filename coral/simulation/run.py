@@ -18,7 +18,6 @@ from coral.catalog.schema import Scenario
 from coral.catalog.suggest import did_you_mean
 from coral.perf.roofline import RooflineModel
 from coral.simulation.availability import AvailabilitySchedule, counts_in_force
-from coral.simulation.compiled import serve
 from coral.simulation.engine import Counts, Engine, ModelDemand, ObservedDemand, ObservedLatency, Replanner
 from coral.simulation.kernels import KernelCache
 from coral.simulation.metrics import SimResult, collect
@@ -203,6 +202,8 @@ def simulate(
     compiled = loop == "compiled" and replan is None and not changes
     engine.start(first, changes, lists=not compiled)
     if compiled and engine.stays_put():
+        from coral.simulation.compiled import serve  # numba: loaded by the runs that use it
+
         trace, record = serve(engine, duration_s)
     else:
         trace = engine.serve(first, checked if replan else None, epoch_s, duration_s, demand_of)

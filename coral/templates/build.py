@@ -17,7 +17,7 @@ from coral.catalog.schema import ModelArch, Scenario
 from coral.perf.model import Phase, Workload
 from coral.perf.roofline import RooflineModel
 from coral.templates.fingerprint import fingerprint
-from coral.templates.library import Stage, TemplateLibrary, dominated_rows
+from coral.templates.library import Stage, TemplateLibrary, bottleneck, dominated_rows
 from coral.templates.placement import coupled_rates, set_partitions, solve_node_sets
 
 CHUNK = 8192
@@ -158,13 +158,6 @@ def pipeline_node_throughput(result: JobResult, cols: dict[str, np.ndarray]) -> 
         stage_sum = np.where(in_s, np.where(in_s, thr, 0.0).sum(axis=1, keepdims=True), stage_sum)
     share = np.where(stage_sum > 0, thr / np.where(stage_sum > 0, stage_sum, 1.0), 0.0)
     return np.where((n_stages > 1)[:, None], rate[:, None] * share, thr)
-
-
-def bottleneck(node_stage: np.ndarray, node_throughput: np.ndarray, stage_layers: np.ndarray) -> np.ndarray:
-    """Template throughput: the slowest stage, a stage being the sum of its nodes."""
-    width = stage_layers.shape[1]
-    stage_thr = np.stack([np.where(node_stage == s, node_throughput, 0.0).sum(axis=1) for s in range(width)], 1)
-    return np.where(stage_layers > 0, stage_thr, np.inf).min(axis=1)
 
 
 def scenario_jobs(scenario: Scenario, catalog: Catalog, models: Sequence[str] | None = None) -> list[BuildJob]:

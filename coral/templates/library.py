@@ -301,3 +301,10 @@ def dominated_rows(lib: TemplateLibrary) -> np.ndarray:
         rows = lib.select(m, p)
         out[rows] = ~undominated(lib.counts[rows], lib.throughput[rows])
     return out
+
+
+def bottleneck(node_stage: np.ndarray, node_throughput: np.ndarray, stage_layers: np.ndarray) -> np.ndarray:
+    """Template throughput: the slowest stage, a stage being the sum of its nodes."""
+    width = stage_layers.shape[1]
+    stage_thr = np.stack([np.where(node_stage == s, node_throughput, 0.0).sum(axis=1) for s in range(width)], 1)
+    return np.where(stage_layers > 0, stage_thr, np.inf).min(axis=1)
