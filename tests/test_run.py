@@ -110,3 +110,33 @@ def test_an_interrupted_run_says_the_previous_outputs_are_unchanged(tmp_path: Pa
     res = CliRunner().invoke(app, ["run", "--out", str(tmp_path)])
     assert res.exit_code == 130
     assert "interrupted" in res.output and "unchanged" in res.output and str(tmp_path / "run-core") in res.output
+
+
+def test_the_search_status_says_rounds_done_of_the_budget_and_the_most_time_left() -> None:
+    """The live status line of `coral run`: after round 3 of a 42-round budget, the next simulation's line names
+    round 4 of at most 42 and an upper bound on the time left at the pace so far; certification has no budget."""
+    import io
+
+    from rich.console import Console
+
+    from coral.cli.run import SearchStatus
+    from coral.planning.evaluation import Attainment
+
+    class Lines:
+        def __init__(self) -> None:
+            self.lines: list[str] = []
+
+        def update(self, line: str) -> None:
+            self.lines.append(line)
+
+    plan = Plan.model_validate({"scenario": "core", "method": "x", "instances": [], "serving": [],
+                                "cost_per_hour": 12.5, "solve": {"status": "x"}})
+    status = Lines()
+    watch = SearchStatus("coral", status, Console(file=io.StringIO()), lambda p, s, share=1.0: {  # type: ignore[arg-type]
+        "m": Attainment(1.0, 1.0, 1.0)}, most_rounds=42)
+    watch.show("round 3: $12.50/h, m 100.0%")
+    watch(plan, 0)
+    assert re.search(r"round 4 of at most 42; \d+ s so far, at most ~\d+ s more at this pace", status.lines[-1])
+    watch.show("confirmed 2 parts of 3 looked at on 16 fresh windows; certifying")
+    watch(plan, 1)
+    assert "of at most" not in status.lines[-1] and "s so far" in status.lines[-1]

@@ -109,7 +109,7 @@ def run_cmd(
     from coral.perf.model import Phase
     from coral.planning import SearchSettings, search_method
     from coral.planning.evaluation import HELD_OUT_SEEDS
-    from coral.planning.slo_search import score, simulator_evaluator, with_traffic
+    from coral.planning.slo_search import default_rounds, score, simulator_evaluator, with_traffic
     from coral.report import build_report
     from coral.report.adapters import inputs_from_sim, method_result
     from coral.report.terminal import FoldingTable, print_comparison, print_plan
@@ -149,7 +149,9 @@ def run_cmd(
         if name != "coral" and baselines == "same-headroom":
             continue
         with console.status(f"{name}: searching for the cheapest plan meeting every SLO target") as status:
-            watch = SearchStatus(name, status, console, evaluate)
+            trials = 3 if method is allocate else 1  # Coral: homo-ilp's rounds, its own, the slack-priced ones
+            watch = SearchStatus(name, status, console, evaluate,
+                                 trials * (settings.max_rounds or default_rounds(sc)))
             result = search_method(method, lib, sc, avail, settings, catalog=cat, evaluate=watch,
                                    progress=watch.show)
         if result.plan is None:
@@ -336,16 +338,29 @@ class SearchStatus:
     """Keeps one method's SLO search visible: each finished round printed, and the status line saying what
     runs now (the round or the held-out scoring, the request set being simulated, seconds so far)."""
 
-    def __init__(self, name: str, status: Status, console: Console, evaluate: Evaluator) -> None:
+    def __init__(self, name: str, status: Status, console: Console, evaluate: Evaluator, most_rounds: int = 0) -> None:
         self.name, self.status, self.console, self.inner = name, status, console, evaluate
         self.stage = "round 1"
+        self.round = 1
+        self.most = most_rounds  # the search's round budget over all its trials (it often stops well before)
         self.t0 = time.perf_counter()
+
+    def pace(self) -> str:
+        """Rounds done of the budget, and at this pace the most time the remaining ones take."""
+        elapsed = time.perf_counter() - self.t0
+        if not self.most or self.stage == "certification":
+            return f"{elapsed:.0f} s so far"
+        done = self.round - 1
+        left = max(0, self.most - done)
+        eta = f", at most ~{elapsed / done * left:.0f} s more at this pace" if done else ""
+        return f"round {self.round} of at most {self.most}; {elapsed:.0f} s so far{eta}"
 
     def show(self, line: str) -> None:
         """The search's progress callback: a round's result, or the start of the held-out scoring."""
         self.console.print(f"  {self.name} {line}")
         if line.startswith("round "):
-            self.stage = f"round {int(line.split()[1].rstrip(':')) + 1}"
+            self.round = int(line.split()[1].rstrip(':')) + 1
+            self.stage = f"round {self.round}"
         elif line.startswith(("scoring", "confirmed", "look ")):
             self.stage = "certification"
         self.status.update(f"{self.name}: {line}")
@@ -360,6 +375,5 @@ class SearchStatus:
 
         sets = f"request set {seeds[0]}" if len(seeds) == 1 else f"{len(seeds)} request sets"
         self.status.update(f"{self.name} {self.stage}: simulating the ${plan.cost_per_hour:,.2f}/h plan on {sets}"
-                           f"{'' if share == 1.0 else f' ({share:.0%} of each)'} "
-                           f"({time.perf_counter() - self.t0:.0f} s so far)")
+                           f"{'' if share == 1.0 else f' ({share:.0%} of each)'} ({self.pace()})")
         return evaluate_all(self.inner, plan, seeds, share)
