@@ -29,6 +29,7 @@ import contextlib
 import json
 import os
 import random
+import resource
 import signal
 import subprocess
 import sys
@@ -50,7 +51,7 @@ from rich.table import Table
 
 from coral.allocation.plan import Plan, PlanInstance
 from coral.catalog.loader import CoralInputError, builtin_catalog, data_path, load_scenario
-from coral.catalog.schema import Scenario
+from coral.catalog.schema import MAX_RUN_REQUESTS, Scenario
 from coral.deploy.endpoints import EndpointsFile, EndpointSpec
 from coral.http_serving import ServerThread, free_port
 from coral.perf.roofline import RooflineModel
@@ -873,6 +874,106 @@ def fault_serve_killed() -> Case:
     return t
 
 
+ESCAPES = "\x1b[2J\x1b]0;owned\x07\x9b31m"  # clear the screen, retitle the window, a C1 control
+
+
+def coral_cli(args: Sequence[str], timeout_s: float = 60.0, **kw: Any) -> tuple[int | None, str]:
+    """`coral ARGS` as a process: (exit code, its stdout and stderr); None when it was still running at the limit
+    (then killed)."""
+    try:
+        done = subprocess.run([sys.executable, "-m", "coral.cli.main", *args], capture_output=True,
+                              timeout=timeout_s, **kw)
+    except subprocess.TimeoutExpired:
+        return None, ""
+    return done.returncode, (done.stdout + done.stderr).decode(errors="replace")
+
+
+def attack_input_files() -> Case:
+    """Input files that are not files: a FIFO nobody writes, /dev/zero and a 2 GB sparse file, as the plan of
+    `coral plan bom` and `coral deploy` and the running plan of `coral allocate`, each command a process with a
+    60 s limit: it exits 2 at once naming what the file is (the named outcome), never hangs or runs out of memory.
+    And a plan whose scenario and method hold terminal escapes: `coral plan bom` prints none of them raw."""
+    t = Case("attack: files that are not files, terminal escapes", expects=("exit 2 naming it",))
+    with tempfile.TemporaryDirectory() as tmp:
+        fifo = Path(tmp) / "plan.fifo"
+        os.mkfifo(fifo)
+        sparse = Path(tmp) / "sparse.json"
+        with sparse.open("wb") as f:
+            f.truncate(2 << 30)
+        for path, what in ((fifo, "is a FIFO"), (Path("/dev/zero"), "is a character device"),
+                           (sparse, "over the")):
+            for args in (["plan", "bom", str(path)],
+                         ["deploy", "--plan", str(path), "--target", "kubernetes", "--out", f"{tmp}/d"],
+                         ["allocate", "core", "--running", str(path), "--out", f"{tmp}/a"]):
+                rc, out = coral_cli(args)
+                words = " ".join(out.split())
+                t.count("exit 2 naming it" if rc == 2 and what in words else
+                        f"{args[0]} of {path.name}: " + ("still running after 60 s" if rc is None else
+                                                         f"exit {rc}: {words[-100:]}"))
+        plan = make_plan([make_instance("phi-4", "decode", [(40, ["1xL40S"])], 100.0)], scenario=f"core{ESCAPES}")
+        plan.method = f"m{ESCAPES}"
+        rc, out = coral_cli(["plan", "bom", str(plan.save(Path(tmp) / "plan.json"))])
+        raw = [c for c in "\x1b\x07\x9b" if c in out]
+        t.check(rc == 0 and not raw, f"coral plan bom exit {rc}, raw control characters {raw!r}")
+    return t
+
+
+def fault_ready_before_ready() -> Case:
+    """`coral serve core --backend emulated` (the default plan of core): from the moment /health first answers,
+    requests for every model of the plan, for 3 s: each is answered, or refused with 503 and Retry-After while
+    /ready is not yet 200 (the named outcome), never 404; and /ready turns 200."""
+    t = Case("fault: requests from the first /health on", expects=("503 not ready yet",))
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    with tempfile.TemporaryDirectory() as tmp:
+        proc = subprocess.Popen([sys.executable, "-m", "coral.cli.main", "serve", "core", "--backend", "emulated",
+                                 "--port", str(port), "--db", f"{tmp}/state.sqlite"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            up = poll(lambda: httpx.get(f"{url}/health", timeout=2).status_code == 200, 10 * startup_s(), 0.02)
+            t.check(up, f"/health never answered within {10 * startup_s():.0f} s")
+            models = [sm.model for sm in load_scenario("core").models]
+            deadline = time.monotonic() + 3.0
+            with httpx.Client(base_url=url, timeout=30) as http:
+                while up and time.monotonic() < deadline:
+                    for m in models:
+                        r = http.post("/v1/chat/completions", json=chat(model=m))
+                        t.count("ok" if r.status_code == 200 else
+                                "503 not ready yet" if r.status_code == 503 and r.headers.get("retry-after") else
+                                f"HTTP {r.status_code} for {m}: {r.text[:80]}")
+                ready = poll(lambda: http.get("/ready").status_code == 200, 10 * startup_s())
+            t.check(ready, "/ready never answered 200")
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    return t
+
+
+def bound_longest_run() -> Case:
+    """Memory within the schema's bounds: `coral simulate` of a plan held fixed at the most requests a run may
+    have (about 10 million), its address space capped at 8 GB: it finishes (exit 0)."""
+    t = Case("bound: a run at the request bound, 8 GB of address space")
+    with tempfile.TemporaryDirectory() as tmp:
+        sc = load_scenario("core")
+        duration = 0.99 * MAX_RUN_REQUESTS / sum(m.request_rate for m in sc.models)
+        plan = make_plan([make_instance(m.model, phase, [(CORE_LAYERS[m.model], ["4xL40S"])], 1000.0, index=k)
+                          for k, m in enumerate(sc.models) for phase in ("prefill", "decode")], scenario="core")
+
+        def cap() -> None:
+            resource.setrlimit(resource.RLIMIT_AS, (8 << 30, 8 << 30))
+
+        rc, out = coral_cli(["simulate", "core", "--plan", str(plan.save(Path(tmp) / "plan.json")), "--duration",
+                             f"{duration:.0f}", "--out", f"{tmp}/out"], timeout_s=600, preexec_fn=cap)
+        t.check(rc == 0, f"coral simulate exit {rc}: {' '.join(out.split())[-160:]}")
+    return t
+
+
+CORE_LAYERS = {"phi-4": 40, "gpt-oss-20b": 24, "qwen3-32b": 64}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--clients", default="50,200,1000", help="concurrent clients per load run (of the mix)")
@@ -893,7 +994,9 @@ def main() -> None:
     runs += [fault_client_disconnect, fault_engine_stalls]
     runs += [lambda f=f: fault_controller(f) for f in ("readonly", "missing", *([] if args.quick else ["corrupt", None]))]
     runs += [attack_access, attack_metrics, attack_huge_prompt, attack_slow_connections, attack_replan,
-             fault_serve_killed]
+             attack_input_files, fault_serve_killed, fault_ready_before_ready]
+    if not args.quick:
+        runs.append(bound_longest_run)
     t0 = time.perf_counter()
     cases = []
     for run in runs:

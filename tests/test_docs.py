@@ -280,8 +280,8 @@ def test_results_renderer_on_fixture_json(tmp_path: Path) -> None:
     src = tmp_path / "out" / "benchmarks"
     src.mkdir(parents=True)
     row = {"scenario": "core", "setting": "best-gpu-4", "target": 0.9, "held_out": {"a": 0.918, "b": 0.95},
-           "held_out_worst": {"a": 0.905, "b": 0.93}, "rounds": 79, "heterogeneous_instances": 10,
-           "chosen_trial": "refined", "safety_net": None, "met_held_out": True}
+           "held_out_worst": {"a": 0.905, "b": 0.93}, "certified": {"a": 0.909, "b": 0.94}, "rounds": 79,
+           "heterogeneous_instances": 10, "chosen_trial": "refined", "safety_net": None, "met_held_out": True}
     (src / "equal_attainment.json").write_text(json.dumps({"rows": [
         {**row, "method": "coral", "cost_per_hour": 91.66, "meta": META},
         {**row, "method": "homo-ilp", "cost_per_hour": 129.36, "meta": META},
@@ -297,8 +297,8 @@ def test_results_renderer_on_fixture_json(tmp_path: Path) -> None:
     render.collect([src, exp], data)
     out = render.render_pages(data)
     equal = out["equal-attainment.md"]
-    assert "| core | best-gpu-4 | 90.0 % | coral | 91.66 | 1.000× | 91.8 % | 90.5 % | 10 | 79 | refined | no | run 1 |" \
-        in equal
+    assert ("| core | best-gpu-4 | 90.0 % | coral | 91.66 | 1.000× | 90.9 % | 91.8 % | 90.5 % | 10 | 79 | refined | no "
+            "| run 1 |") in equal
     assert "| homo-ilp | 129.4 | 1.411× |" in equal
     assert "homo-greedy (misses) | 150.0 | – |" in equal
     assert "commit 0123456789; 2026-12-07T08:00:00+00:00; machine: ci, Test CPU, 2 cores, 8.0 GB, no GPU; " \
