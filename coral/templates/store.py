@@ -18,6 +18,7 @@ from pathlib import Path
 from coral.catalog.loader import Catalog, load_scenario
 from coral.catalog.schema import Scenario
 from coral.perf.roofline import RooflineModel
+from coral.templates.build import build_library
 from coral.templates.fingerprint import fingerprint
 from coral.templates.library import TemplateLibrary
 
@@ -104,8 +105,6 @@ def load_library(scenario: str, out: Path, catalog: Catalog | None = None) -> Te
     t0 = time.perf_counter()
     with Progress(*columns, console=err, transient=True, disable=not err.is_terminal) as bar:
         task = bar.add_task(f"placement jobs of {sc.name}", total=None)
-        from coral.templates.build import build_library  # numba: only when a library is built
-
         lib = build_library(sc, catalog, workers=workers,
                             progress=lambda done, total: bar.update(task, completed=done, total=total))
     lib.save(path)
