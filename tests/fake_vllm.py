@@ -1,4 +1,5 @@
-"""A stand-in for `vllm serve` on CPU: batches requests and sleeps for a known per-layer cost.
+"""A stand-in for `vllm serve` on CPU (the profiler's process launcher is tested on it): batches requests and
+sleeps for a known per-layer cost.
 
     python tests/fake_vllm.py --layers 4 --port 8000
 
@@ -9,12 +10,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-from collections.abc import AsyncIterator
 
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 PREFILL_MS = (2.0, 1.0, 0.004)
 DECODE_MS = (2.0, 2.0, 0.05)
@@ -65,18 +64,10 @@ def make_app(layers: int) -> FastAPI:
         q: asyncio.Queue[str | None] = asyncio.Queue()
         pending.append((len(body["prompt"]), q, int(body.get("max_tokens", 16))))
         wake.set()
-        if not body.get("stream"):
-            text = []
-            while (item := await q.get()) is not None:
-                text.append(item)
-            return JSONResponse({"choices": [{"text": " ".join(text)}]})
-
-        async def stream() -> AsyncIterator[str]:
-            while (item := await q.get()) is not None:
-                yield "data: " + json.dumps({"choices": [{"text": item}]}) + "\n\n"
-            yield "data: [DONE]\n\n"
-
-        return StreamingResponse(stream(), media_type="text/event-stream")
+        text = []
+        while (item := await q.get()) is not None:
+            text.append(item)
+        return JSONResponse({"choices": [{"text": " ".join(text)}]})
 
     return app
 

@@ -4,9 +4,10 @@ For each of two layer counts j1 < j2 the profiler starts ``vllm serve`` with the
 (``--hf-overrides {"num_hidden_layers": j}``, dummy weights, so no download of real weights is needed beyond the
 config), then measures
 - prefill: wall time of a burst of concurrent prompts totalling B tokens, each with ``max_tokens=1``;
-- decode: mean time per generated token of B concurrent streams with ``ignore_eos`` (tokens counted from the
-  server's running usage, since a loaded server merges tokens into fewer chunks; see `measure_decode`).
-The per-layer time is the slope (t(j2) - t(j1)) / (j2 - j1), which cancels the fixed per-step overhead.
+- decode: the time per step of B concurrent requests with ``ignore_eos``, from two lengths (see `measure_decode`).
+The per-layer time is the slope (t(j2) - t(j1)) / (j2 - j1), which cancels the fixed per-step overhead. Every
+time is a whole burst's wall time as the client sees it, so other work on the machine only ever adds to it, and the
+fastest of a few runs is the estimate.
 
 On a CPU node config (`1xCPU`) the engine is vLLM's CPU build (`coral.vllm_cpu`: its own venv's Python,
 `--enforce-eager`, `CPU_DTYPE`). The files are written in Helix's layout (headerless `batch,ms` rows starting with
@@ -26,7 +27,7 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -42,8 +43,6 @@ from coral.perf.model import Phase
 
 Launcher = Callable[[int], contextlib.AbstractContextManager[str]]
 DECODE_PROMPT_TOKENS = 8
-DECODE_RETRY_FACTOR = 8
-"""A decode burst whose every stream came in one chunk is run again with this many times the tokens."""
 
 
 @dataclass(frozen=True)
@@ -73,7 +72,7 @@ def vllm_command(
         "--max-num-seqs", str(max(spec.decode_batches)),
         "--max-num-batched-tokens", str(max(spec.prefill_tokens)),
     ]
-    max_len = max(spec.prompt_tokens, DECODE_PROMPT_TOKENS + spec.decode_steps * DECODE_RETRY_FACTOR) + 16
+    max_len = max(spec.prompt_tokens, DECODE_PROMPT_TOKENS + 2 * spec.decode_steps) + 16
     if not vllm_cpu.is_cpu_config(spec.config):
         return [*argv, "--load-format", "dummy", "--max-model-len", str(max_len), *spec.extra_args], {}
     if spec.tensor_parallel != 1:
@@ -142,62 +141,51 @@ def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float, log: IO[
     raise CoralInputError(f"engine at {url} not ready after {timeout:.0f} s")
 
 
-async def measure_prefill(client: httpx.AsyncClient, url: str, model: str, tokens: int, prompt: int) -> float:
+Burster = Callable[[dict[str, object], int], Awaitable[float]]
+"""Seconds from sending n concurrent completions of a body to the engine to its last answer."""
+Connect = Callable[[str], contextlib.AbstractAsyncContextManager[Burster]]
+"""Opens a `Burster` on the engine at a URL."""
+
+
+@contextlib.asynccontextmanager
+async def http_burster(url: str, transport: httpx.AsyncBaseTransport | None = None) -> AsyncIterator[Burster]:
+    """Bursts of `/v1/completions` posts to the engine at `url`, timed by this process's wall clock."""
+    async with httpx.AsyncClient(timeout=600.0, transport=transport) as client:
+        async def burst(body: dict[str, object], n: int) -> float:
+            t0 = time.perf_counter()
+            rs = await asyncio.gather(*(client.post(f"{url}/v1/completions", json=body) for _ in range(n)))
+            for r in rs:
+                r.raise_for_status()
+            return time.perf_counter() - t0
+
+        yield burst
+
+
+async def measure_prefill(burst: Burster, model: str, tokens: int, prompt: int) -> float:
     """Seconds to prefill a burst of concurrent prompts totalling `tokens` tokens."""
-    n = max(1, tokens // prompt)
-    body = {"model": model, "prompt": [1] * prompt, "max_tokens": 1}
-    t0 = time.perf_counter()
-    rs = await asyncio.gather(*(client.post(f"{url}/v1/completions", json=body) for _ in range(n)))
-    for r in rs:
-        r.raise_for_status()
-    return time.perf_counter() - t0
+    return await burst({"model": model, "prompt": [1] * prompt, "max_tokens": 1}, max(1, tokens // prompt))
 
 
-async def measure_decode(
-    client: httpx.AsyncClient, url: str, model: str, batch: int, steps: int,
-    clock: Callable[[], float] = time.perf_counter,
-) -> float:
-    """Mean seconds per decode step with `batch` concurrent streams of `steps` tokens.
+async def measure_decode(burst: Burster, model: str, batch: int, steps: int, repeats: int) -> float:
+    """Seconds per decode step of `batch` concurrent requests: (T(2 `steps`) - T(`steps`)) / `steps`, where T(n)
+    is the fastest of `repeats` bursts of `batch` requests of exactly n tokens (the two lengths alternate, so that
+    load that comes and goes weighs on both). The difference cancels the prompts' prefill and the requests' fixed
+    costs. No stream is timed chunk by chunk: a client that reads late sees chunks bunched together, which would
+    shorten a step, while a late client only ever lengthens a whole burst."""
+    def body(tokens: int) -> dict[str, object]:
+        return {"model": model, "prompt": [1] * DECODE_PROMPT_TOKENS, "max_tokens": tokens, "min_tokens": tokens,
+                "ignore_eos": True}
 
-    Steps are counted in tokens, not in chunks: when the API server falls behind the engine (a loaded machine),
-    vLLM merges a stream's unsent tokens into one chunk, so a stream of 4 tokens can arrive as 1 or 2 chunks.
-    Each chunk carries the stream's running token count (`continuous_usage_stats`; a server that sends no usage
-    counts one token a chunk), and a stream's step time is the time between its first and its last chunk over
-    the tokens generated between them. A stream whose tokens all came in one chunk spans no step; if every
-    stream did, the burst runs once more with `DECODE_RETRY_FACTOR` times the tokens (more steps for the
-    server to fall behind over) before the measurement fails."""
-    for budget in (steps, steps * DECODE_RETRY_FACTOR):
-        spans = await asyncio.gather(*(_decode_stream(client, url, model, budget, clock) for _ in range(batch)))
-        per_step = [(t1 - t0) / (n1 - n0) for (t0, n0), (t1, n1) in spans if n1 > n0]
-        if per_step:
-            return sum(per_step) / len(per_step)
-    raise CoralInputError(
-        f"decode measurement: each of {batch} streams delivered all its tokens in one chunk, twice (the second "
-        f"time {steps * DECODE_RETRY_FACTOR} tokens): the server's API process is starved; profile on a quieter "
-        "machine or with more decode steps")
-
-
-async def _decode_stream(
-    client: httpx.AsyncClient, url: str, model: str, steps: int, clock: Callable[[], float]
-) -> tuple[tuple[float, int], tuple[float, int]]:
-    """(time, tokens so far) at the first and at the last chunk of one stream of exactly `steps` tokens."""
-    body = {"model": model, "prompt": [1] * DECODE_PROMPT_TOKENS, "max_tokens": steps, "min_tokens": steps,
-            "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
-    marks: list[tuple[float, int]] = []
-    async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
-        r.raise_for_status()
-        async for line in r.aiter_lines():
-            if not line.startswith("data:") or line.strip() == "data: [DONE]":
-                continue
-            now, chunk = clock(), json.loads(line[len("data:"):])
-            if not chunk.get("choices"):  # the closing usage chunk carries no token
-                continue
-            counted = (chunk.get("usage") or {}).get("completion_tokens")
-            marks.append((now, int(counted) if counted else (marks[-1][1] if marks else 0) + 1))
-    if not marks:
-        raise CoralInputError(f"decode measurement: a stream from {url} sent no token")
-    return marks[0], marks[-1]
+    short, long = float("inf"), float("inf")
+    for _ in range(repeats):
+        short = min(short, await burst(body(steps), batch))
+        long = min(long, await burst(body(2 * steps), batch))
+    if long <= short:
+        raise CoralInputError(
+            f"decode measurement at batch {batch}: {2 * steps} tokens took no longer than {steps} "
+            f"({long * 1e3:.1f} ms against {short * 1e3:.1f} ms): the machine is too busy to time; profile on a "
+            "quieter machine, with more repeats or with more decode steps")
+    return (long - short) / steps
 
 
 async def _fastest(repeats: int, measure: Callable[[], Awaitable[float]]) -> float:
@@ -205,22 +193,23 @@ async def _fastest(repeats: int, measure: Callable[[], Awaitable[float]]) -> flo
     return min([await measure() for _ in range(repeats)])
 
 
-async def _measure_all(url: str, spec: ProfileSpec) -> dict[Phase, list[float]]:
-    async with httpx.AsyncClient(timeout=600.0) as client:
-        await measure_prefill(client, url, spec.model_id, spec.prompt_tokens, spec.prompt_tokens)  # warm-up
+async def _measure_all(url: str, spec: ProfileSpec, connect: Connect) -> dict[Phase, list[float]]:
+    async with connect(url) as burst:
+        await measure_prefill(burst, spec.model_id, spec.prompt_tokens, spec.prompt_tokens)  # warm-up
         m, n = spec.model_id, spec.repeats
-        prefill = [await _fastest(n, partial(measure_prefill, client, url, m, b, spec.prompt_tokens))
+        prefill = [await _fastest(n, partial(measure_prefill, burst, m, b, spec.prompt_tokens))
                    for b in spec.prefill_tokens]
-        decode = [await _fastest(n, partial(measure_decode, client, url, m, b, spec.decode_steps))
-                  for b in spec.decode_batches]
+        decode = [await measure_decode(burst, m, b, spec.decode_steps, n) for b in spec.decode_batches]
     return {Phase.PREFILL: prefill, Phase.DECODE: decode}
 
 
 def profile(
-    spec: ProfileSpec, launcher: Launcher, out: Path, model: str | None = None, command: str | None = None
+    spec: ProfileSpec, launcher: Launcher, out: Path, model: str | None = None, command: str | None = None,
+    connect: Connect = http_burster,
 ) -> dict[Phase, list[tuple[int, float]]]:
-    """Measure both layer counts and write `<out>/<config>/{prompt,decode}_bs2time.csv` (per-layer ms, Helix
-    layout) and `<out>/profile.yaml` (catalog `model`, workload, date and the `command` that ran this)."""
+    """Measure both layer counts (each engine started by `launcher`, reached through `connect`) and write
+    `<out>/<config>/{prompt,decode}_bs2time.csv` (per-layer ms, Helix layout) and `<out>/profile.yaml` (catalog
+    `model`, workload, date and the `command` that ran this)."""
     j1, j2 = spec.layer_counts
     if not 0 < j1 < j2:
         raise CoralInputError("layer_counts must be two increasing positive layer counts")
@@ -228,20 +217,26 @@ def profile(
     runs = {}
     for j in (j1, j2):
         with launcher(j) as url:
-            runs[j] = asyncio.run(_measure_all(url, spec))
-    folder = out / spec.config
-    folder.mkdir(parents=True, exist_ok=True)
+            runs[j] = asyncio.run(_measure_all(url, spec, connect))
     written: dict[Phase, list[tuple[int, float]]] = {}
     for phase, batches in ((Phase.PREFILL, spec.prefill_tokens), (Phase.DECODE, spec.decode_batches)):
         rows = []
         for i, b in enumerate(batches):
             slope = (runs[j2][phase][i] - runs[j1][phase][i]) / (j2 - j1)
-            rows.append((int(b), max(slope, 1e-6) * 1e3))
+            if slope <= 0:
+                raise CoralInputError(
+                    f"{spec.config} {phase.value} at {b}: {j2} layers measured no slower than {j1} "
+                    f"({runs[j2][phase][i] * 1e3:.2f} ms against {runs[j1][phase][i] * 1e3:.2f} ms), so the "
+                    "per-layer time is noise; profile on a quieter machine, with more repeats or layers apart")
+            rows.append((int(b), slope * 1e3))
+        written[phase] = rows
+    folder = out / spec.config
+    folder.mkdir(parents=True, exist_ok=True)
+    for phase, rows in written.items():
         with (folder / PROFILE_FILES[phase]).open("w", newline="") as f:
             w = csv.writer(f)
             w.writerow([0, 0])
             w.writerows((b, f"{ms:.4f}") for b, ms in rows)
-        written[phase] = rows
     (out / MANIFEST).write_text(yaml.safe_dump(manifest.model_dump(exclude_none=True), sort_keys=False))
     return written
 
@@ -255,7 +250,7 @@ def _manifest(spec: ProfileSpec, out: Path, model: str | None, command: str | No
     source = (f"{spec.config}: measured {date} by `{command or 'coral.perf.profiler.profile'}` "
               f"(layer counts {spec.layer_counts[0]} and {spec.layer_counts[1]}, dummy weights, fastest of "
               f"{spec.repeats} runs; prefill bursts of {spec.prompt_tokens}-token prompts, decode "
-              f"{spec.decode_steps} steps of 8-token prompts)")
+              f"bursts of {spec.decode_steps} and {2 * spec.decode_steps} tokens after 8-token prompts)")
     others = [line for line in (old.source or "").splitlines() if not line.startswith(f"{spec.config}:")]
     return old.model_copy(update={
         "model": model or old.model,
