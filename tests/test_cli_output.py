@@ -38,7 +38,7 @@ def out(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def plan_path(out: Path) -> Path:
-    res = runner.invoke(app, ["allocate", "core", "--out", str(out), "--time-limit", "5"])
+    res = runner.invoke(app, ["allocate", "core", "--out", str(out), "--time-limit", "600"])
     assert res.exit_code == 0, res.output
     return out / "core.cost.coral.plan.json"
 
@@ -56,7 +56,7 @@ def test_version_comes_from_the_package_metadata() -> None:
 
 
 def test_allocate_json_is_one_document_with_the_plan_summary(out: Path) -> None:
-    res = runner.invoke(app, ["allocate", "core", "--out", str(out), "--time-limit", "5", "--json"])
+    res = runner.invoke(app, ["allocate", "core", "--out", str(out), "--time-limit", "600", "--json"])
     assert res.exit_code == 0, res.output
     doc = json.loads(res.stdout)
     plan = Plan.load(doc["plan_path"])
@@ -72,7 +72,7 @@ def test_allocate_json_is_one_document_with_the_plan_summary(out: Path) -> None:
 
 
 def test_experiment_json(out: Path) -> None:
-    res = runner.invoke(app, ["experiment", "epochs", "core", "--out", str(out), "--time-limit", "5", "--json"])
+    res = runner.invoke(app, ["experiment", "epochs", "core", "--out", str(out), "--time-limit", "600", "--json"])
     assert res.exit_code == 0, res.output
     doc = json.loads(res.stdout)
     assert doc["name"] == "epochs-core" and len(doc["rows"]) == load_scenario("core").epochs
@@ -105,7 +105,7 @@ def test_status_json(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_piped_tables_keep_names_whole_and_round_numbers(out: Path, plan_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
     text = subprocess.run([sys.executable, "-m", "coral.cli.main", "allocate", "core", "--out", str(out),
-                           "--time-limit", "5"], capture_output=True, text=True, env=env, check=True,
+                           "--time-limit", "600"], capture_output=True, text=True, env=env, check=True,
                           stdin=subprocess.DEVNULL).stdout
     rows = [line for line in text.splitlines() if line.startswith("│")]
     assert sum("│ gpt-oss-20b " in r for r in rows) == 2 and not any("gpt-oss-2 " in r for r in rows)
@@ -222,7 +222,7 @@ def test_allocate_at_80_columns_keeps_every_template_string_whole(out: Path, pla
 
     env = {**os.environ, "COLUMNS": "80"}
     text = subprocess.run([sys.executable, "-m", "coral.cli.main", "allocate", "core", "--out", str(out),
-                           "--time-limit", "5"], capture_output=True, text=True, env=env, check=True,
+                           "--time-limit", "600"], capture_output=True, text=True, env=env, check=True,
                           stdin=subprocess.DEVNULL).stdout
     plan = Plan.load(plan_path)
     names = [n for s in plan.serving for n in instance_groups(plan, s.model, s.phase)]
@@ -244,7 +244,7 @@ def test_allocate_with_offerings_keeps_the_default_plan(out: Path, plan_path: Pa
     market = tmp_path / "market.yaml"
     market.write_text(data_path("offerings.yaml").read_text())
     before = plan_path.read_bytes()
-    res = runner.invoke(app, ["allocate", "core", "--out", str(out), "--time-limit", "5", "--offerings", str(market),
+    res = runner.invoke(app, ["allocate", "core", "--out", str(out), "--time-limit", "600", "--offerings", str(market),
                               "--json"])
     assert res.exit_code == 0, res.output
     written = Path(json.loads(res.stdout)["plan_path"])

@@ -150,6 +150,9 @@ def test_milp_stops_on_its_node_limit_deterministically() -> None:
     stopped = milp.solve(*args, gap=1e-9, time_limit=0.01)
     assert stopped.status == milp.TIME_LIMIT_STATUS and stopped.safety_net is not None
     assert "wall-clock time limit" in stopped.safety_net
+    # stopped before it proved any bound: none is reported (HiGHS says -inf, and a gap of inf)
+    unproved = milp.solve(*args, gap=1e-9, time_limit=0.0)
+    assert unproved.bound is None and unproved.gap is None and unproved.safety_net is not None
 
 
 # --- (b) the SLO search ----------------------------------------------------------------------------------------

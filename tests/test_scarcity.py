@@ -124,7 +124,7 @@ def test_words_name_the_stages_a_limit_stopped(monkeypatch: pytest.MonkeyPatch) 
 def test_the_time_limit_holds_for_the_whole_call(monkeypatch: pytest.MonkeyPatch) -> None:
     """With HiGHS made slow (every run 0.2 s longer: a loaded machine), no solve starts once a stage's share of
     the call's safety net has run out: the call returns, reports the net, and takes a few runs past its limit,
-    not one per remaining solve of the pipeline (generous bound: no tight timing)."""
+    not one per remaining solve of the pipeline."""
     models = ["a", "b", "c"]
     lib = random_library(21, models, n=30)
     sc = scenario(models, rates=[6.0, 4.0, 5.0])
@@ -140,7 +140,6 @@ def test_the_time_limit_holds_for_the_whole_call(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setattr(highspy.Highs, "run", slow_run)
     t0 = time.perf_counter()
     plan = allocate(lib, sc, availability=av, mode="goodput", time_limit=1.0)
-    wall = time.perf_counter() - t0
     assert plan.instances and plan.solve.safety_net is not None
-    assert wall < 7.0  # it used to start every remaining solve (about 45 runs, 10 s here)
-    assert sum(r > t0 + 1.0 for r in runs) <= 5  # one run per stage at most past the net (STAGE_S each)
+    # one run per stage at most past the net (it used to start every remaining solve: about 45 runs)
+    assert sum(r > t0 + 1.0 for r in runs) <= 5

@@ -8,6 +8,7 @@ depends on the machine's speed and load."""
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -99,6 +100,11 @@ def _single_threaded(h: highspy.Highs) -> None:
         h.setOptionValue("threads", 1)
 
 
+def _finite(value: float) -> float | None:
+    """`value` as a float, None where HiGHS reports none (an infinite bound or gap)."""
+    return float(value) if math.isfinite(value) else None
+
+
 def solve(
     cost: np.ndarray,
     lower: np.ndarray,
@@ -183,14 +189,17 @@ def solve(
     has_x = bool(solution.value_valid) and info.primal_solution_status == 2
     x = np.array(solution.col_value) if has_x else None
     objective = float(info.objective_function_value) if has_x else None
-    bound = float(info.mip_dual_bound) if mip else objective
-    mip_gap = float(info.mip_gap) if mip and has_x else (0.0 if has_x else None)
+    dual_bound = _finite(info.mip_dual_bound)  # HiGHS says -inf when a limit stopped it before any bound
+    bound = dual_bound if mip else objective
+    mip_gap = _finite(info.mip_gap) if mip and has_x else (0.0 if has_x else None)
     duals = np.array(solution.row_dual) if relax and solution.dual_valid else None
     if x is None and start is not None:
         # nothing better than the warm start exists (infeasible under the cutoff) or was found within the limits
         x, objective = np.asarray(start, dtype=float), start_obj
-        bound = start_obj if status == "Infeasible" else min(float(info.mip_dual_bound), start_obj or 0.0)
+        bound = start_obj if status == "Infeasible" else (
+            None if dual_bound is None else min(dual_bound, start_obj or 0.0))
         status = "Optimal" if status == "Infeasible" else status
-        mip_gap = max(0.0, ((objective or 0.0) - (bound or 0.0)) / max(abs(objective or 0.0), 1e-9))
+        mip_gap = None if bound is None else \
+            max(0.0, ((objective or 0.0) - bound) / max(abs(objective or 0.0), 1e-9))
     return MilpResult(status, x, objective, bound, mip_gap, time.perf_counter() - t0, n, rows.n_rows, duals, net,
                       int(info.mip_node_count) if mip else 0)

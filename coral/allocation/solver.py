@@ -393,7 +393,8 @@ def solve(
         return solve_block(p, time_limit=time_limit, gap=gap, start=start, rounder=rounder)
     x = np.zeros(p.n)
     y = np.zeros(len(p.row_lower))
-    objective, bound, lp_bound, statuses, n_cols, n_rows = 0.0, 0.0, 0.0, [], 0, 0
+    objective, lp_bound, statuses, n_cols, n_rows = 0.0, 0.0, [], 0, 0
+    bound: float | None = 0.0  # None once a block has none (a limit stopped it before it proved any)
     nets: list[str | None] = []
     for b in blocks:
         sub, rows = subproblem(p, b)
@@ -407,16 +408,16 @@ def solve(
                            out.notes, row_dual=y, safety_net=_nets(*nets))
         x[b] = out.x
         objective += out.objective or 0.0
-        bound += out.bound if out.bound is not None else -np.inf
+        bound = None if bound is None or out.bound is None else bound + out.bound
         lp_bound += out.lp_bound or 0.0
         n_cols += out.n_cols
         n_rows += out.n_rows
     for b in rowless:  # columns in no row: zero unless their cost is negative (then at their upper bound)
         x[b] = np.where(p.cost[b] < 0, p.upper[b], 0.0)
         objective += float(p.cost[b] @ x[b])
-        bound += float(p.cost[b] @ x[b])
+        bound = None if bound is None else bound + float(p.cost[b] @ x[b])
     worst = next((st for st in statuses if st != "Optimal"), "Optimal")
-    g = max(0.0, (objective - bound) / max(abs(objective), 1e-9)) if objective else 0.0
+    g = None if bound is None else max(0.0, (objective - bound) / max(abs(objective), 1e-9)) if objective else 0.0
     return Outcome(worst, x, objective, bound, g, time.perf_counter() - t0, n_cols, n_rows,
                    [f"{len(blocks)} independent blocks", f"LP bound {lp_bound:.6g}"], lp_bound=lp_bound,
                    row_dual=y, safety_net=_nets(*nets))
