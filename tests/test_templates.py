@@ -226,7 +226,7 @@ def test_library_fingerprint_names_what_changed_and_stale_libraries_are_rebuilt(
         built.append(scenario.name)
         return TemplateLibrary.from_templates(["1xL4"], [], {"fingerprint": json_.dumps(store.fingerprint(scenario))})
 
-    monkeypatch.setattr(store, "build_library", fake_build)
+    monkeypatch.setattr("coral.templates.build.build_library", fake_build)
     lib.meta["fingerprint"] = json_.dumps({**store.fingerprint(sc), "perf": "old"})
     lib.save(tmp_path / "core.templates.sqlite")
     store.load_library("core", tmp_path)
@@ -244,7 +244,7 @@ def test_a_first_build_on_a_machine_counts_numbas_compile_in_its_estimate(tmp_pa
     assert store.build_estimate_s(core, 2, compiled=False) == pytest.approx(store.build_estimate_s(core, 2) + 18.0)
     compiled = store.solver_compiled
     monkeypatch.setattr(store, "solver_compiled", lambda: False)
-    monkeypatch.setattr(store, "build_library", lambda *_a, **_k: (_ for _ in ()).throw(RuntimeError("stop")))
+    monkeypatch.setattr("coral.templates.build.build_library", lambda *_a, **_k: (_ for _ in ()).throw(RuntimeError("stop")))
     with pytest.raises(RuntimeError, match="stop"):
         store.load_library("core", tmp_path)
     said = " ".join(capsys.readouterr().err.split())

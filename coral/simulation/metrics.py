@@ -33,7 +33,7 @@ class LatencyStats(_Result):
 
     @classmethod
     def of(cls, values_s: np.ndarray) -> LatencyStats:
-        v = values_s[np.isfinite(values_s)] * 1e3
+        v = np.sort(values_s[np.isfinite(values_s)] * 1e3)  # sorted once: the 104 percentiles then cost nothing
         if not len(v):
             return cls()
         q = np.percentile(v, [*np.linspace(0, 100, CDF_POINTS), 50, 90, 99])

@@ -18,7 +18,6 @@ from pathlib import Path
 from coral.catalog.loader import Catalog, load_scenario
 from coral.catalog.schema import Scenario
 from coral.perf.roofline import RooflineModel
-from coral.templates.build import build_library
 from coral.templates.fingerprint import fingerprint
 from coral.templates.library import TemplateLibrary
 
@@ -93,6 +92,8 @@ def load_library(scenario: str, out: Path, catalog: Catalog | None = None) -> Te
         if not changed:
             return lib
         why = f"{path} was built for other inputs ({', '.join(changed)} changed)"
+    from coral.templates import build  # numba and the placement solver: only when a library is built
+
     err = Console(stderr=True, soft_wrap=True)
     workers = os.cpu_count() or 1
     compiled = solver_compiled()
@@ -105,8 +106,8 @@ def load_library(scenario: str, out: Path, catalog: Catalog | None = None) -> Te
     t0 = time.perf_counter()
     with Progress(*columns, console=err, transient=True, disable=not err.is_terminal) as bar:
         task = bar.add_task(f"placement jobs of {sc.name}", total=None)
-        lib = build_library(sc, catalog, workers=workers,
-                            progress=lambda done, total: bar.update(task, completed=done, total=total))
+        lib = build.build_library(sc, catalog, workers=workers,
+                                  progress=lambda done, total: bar.update(task, completed=done, total=total))
     lib.save(path)
     err.print(f"built {len(lib):,} templates in {time.perf_counter() - t0:.1f} s (build and save) -> {path}")
     return lib
