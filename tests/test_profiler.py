@@ -144,19 +144,20 @@ def test_subprocess_launcher_serves_until_the_block_ends_and_quotes_an_engine_th
 
 @pytest.mark.vllm
 def test_profile_runs_for_real_on_vllm_cpu(tmp_path: Path) -> None:
-    """Two real vLLM CPU servers (1 and 4 layers of the tiny model), a couple of batch sizes per phase."""
+    """Two real vLLM CPU servers (1 and 8 layers of the tiny model: far enough apart to time on a busy machine), a
+    couple of batch sizes per phase."""
     from coral.tiny_model import make_tiny_llama
 
     python = vllm_cpu.vllm_python()
     if vllm_cpu.installed_version(python) is None:
         pytest.skip(f"vLLM is not importable by {python}: `python -m coral.vllm_cpu` installs it")
     tiny = make_tiny_llama(tmp_path / "tiny", weights=False)
-    spec = ProfileSpec(str(tiny), "1xCPU", 1, layer_counts=(1, 4), prefill_tokens=(64, 128),
-                       decode_batches=(1, 2), prompt_tokens=64, decode_steps=8)
+    spec = ProfileSpec(str(tiny), "1xCPU", 1, layer_counts=(1, 8), prefill_tokens=(256, 512),
+                       decode_batches=(1, 2), prompt_tokens=256, decode_steps=8)
     rows = profile(spec, subprocess_launcher(spec, ready_timeout=600), tmp_path / "out", vllm_cpu.TINY_MODEL,
                    "test")
     pset = ProfileSet.read(tmp_path / "out")
-    assert pset.manifest.model == vllm_cpu.TINY_MODEL and pset.manifest.workload == Workload(64, 8)
+    assert pset.manifest.model == vllm_cpu.TINY_MODEL and pset.manifest.workload == Workload(256, 8)
     for phase, batches in ((Phase.PREFILL, spec.prefill_tokens), (Phase.DECODE, spec.decode_batches)):
         assert [b for b, _ in rows[phase]] == list(batches)
         assert list(pset.profiles[("1xCPU", phase)].tokens) == list(batches)
