@@ -172,7 +172,10 @@ def test_prepare_respects_memory_caps() -> None:
 
 
 @pytest.mark.ray
+@pytest.mark.cluster
 def test_ray_build_equals_local() -> None:
+    """In the cluster tier: a local Ray instance beside 8 busy processes did not finish its workers in 20 minutes,
+    so the default run starts no Ray."""
     ray = pytest.importorskip("ray")
     ray.init(num_cpus=2, include_dashboard=False, ignore_reinit_error=True, log_to_driver=False)
     try:
