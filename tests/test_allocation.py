@@ -515,9 +515,10 @@ def test_plan_roundtrip(tmp_path) -> None:  # type: ignore[no-untyped-def]
 
 @pytest.mark.parametrize("time_limit", [0.0, 0.01])
 def test_time_limit_returns_best_incumbent_and_no_bound_it_did_not_prove(time_limit: float) -> None:
-    """Out of time before any bound (always so at 0 s; seen at 0.01 s on a loaded machine, where HiGHS reports a
-    bound of -inf and a gap of inf, which the report refused): the warm start comes back as the plan, its report
-    gives no bound and no gap rather than infinite ones, and says the safety net stopped it."""
+    """Out of time (always at 0 s; at 0.01 s on a loaded machine HiGHS then reported a bound of -inf and a gap of
+    inf, which the report refused): the warm start comes back as the plan, its report
+    gives no bound and no gap rather than infinite ones, and says the safety net acted (on an idle machine the LP
+    bound may still prove the warm start optimal: then no stage counts as stopped)."""
     lib = random_library(8, ["a", "b"], n=30)
     sc = scenario(["a", "b"], rates=[5.0, 4.0])
     plan = allocate(lib, sc, availability=UNLIMITED, time_limit=time_limit)
@@ -525,8 +526,9 @@ def test_time_limit_returns_best_incumbent_and_no_bound_it_did_not_prove(time_li
     solve = plan.solve
     assert solve.objective is not None and (solve.bound is None) == (solve.gap is None)
     assert solve.bound is None or solve.bound <= solve.objective + 1e-9
+    assert bool(solve.stopped) == (solve.status != "Optimal")  # a plan proved optimal anyway names no stage
     if time_limit == 0.0:
-        assert solve.safety_net and solve.stopped
+        assert solve.safety_net
 
 
 def test_explicit_availability_and_bad_inputs() -> None:
