@@ -109,6 +109,11 @@ class Outcome:
     # on the machine's speed and load); None: every limit that stopped a solve was a deterministic one
 
 
+def _gap(objective: float, bound: float) -> float:
+    """The relative gap of `objective` over `bound`, at least 0 (0 at a zero objective)."""
+    return max(0.0, (objective - bound) / max(abs(objective), 1e-9)) if objective else 0.0
+
+
 def _nets(*nets: str | None) -> str | None:
     """Safety-net hits joined in words (each once), None when there are none."""
     seen = list(dict.fromkeys(n for part in nets if part for n in part.split("; ")))
@@ -417,7 +422,7 @@ def solve(
         objective += float(p.cost[b] @ x[b])
         bound = None if bound is None else bound + float(p.cost[b] @ x[b])
     worst = next((st for st in statuses if st != "Optimal"), "Optimal")
-    g = None if bound is None else max(0.0, (objective - bound) / max(abs(objective), 1e-9)) if objective else 0.0
+    g = None if bound is None else _gap(objective, bound)
     return Outcome(worst, x, objective, bound, g, time.perf_counter() - t0, n_cols, n_rows,
                    [f"{len(blocks)} independent blocks", f"LP bound {lp_bound:.6g}"], lp_bound=lp_bound,
                    row_dual=y, safety_net=_nets(*nets))
@@ -551,7 +556,7 @@ def solve_block(
                 nets.append(sep.safety_net)
             sep_objective = float(p.cost @ sep.x)
             sep_bound = float(sep.bounds.sum())
-            g = max(0.0, (sep_objective - sep_bound) / max(abs(sep_objective), 1e-9)) if sep_objective else 0.0
+            g = _gap(sep_objective, sep_bound)
             fits = p.violation(sep.x) <= 1e-9
             if fits and (g <= gap or sep.safety_net):  # out of time (the safety net): the parts' plan is kept
                 worst = next((st for st in sep.statuses if st != "Optimal"), "Optimal")
@@ -655,11 +660,9 @@ def solve_block(
     elif incumbent is not None:
         x = incumbent
     objective = float(p.cost @ x) if x is not None else None
-    mip_bound = res.bound if res.bound is not None and np.isfinite(res.bound) and not partial else -np.inf
+    mip_bound = res.bound if res.bound is not None and not partial else -np.inf
     bound = max(z, separate_bound, mip_bound)
-    gap_out = None
-    if objective is not None:
-        gap_out = max(0.0, (objective - bound) / max(abs(objective), 1e-9)) if objective else 0.0
+    gap_out = None if objective is None else _gap(objective, bound)
     status = res.status if res.x is not None or x is None else f"{res.status} (incumbent)"
     notes.append(f"{len(p.row_lower) - n_rows} rounding cuts")
     notes.append(f"final MIP: {res.nodes} branch-and-bound nodes (limit {nodes})")
